@@ -1,0 +1,26 @@
+# Quick start: `make demo` runs the main job on the built-in demo corpus; `make test` runs the tests.
+# Both create .venv on first use and install the project into it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ingest run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check ingest actors jax_side tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
