@@ -1,0 +1,14 @@
+"""ingest: the pure core of the feed (no Ray, no JAX): config, plan, tokenizers, pack, shift,
+streams and their state."""
+
+from ingest.config import Config, SourceConfig, load_config
+from ingest.digest import BatchDigest, step_digest
+from ingest.errors import BadInputError, ConfigError, StreamError
+from ingest.plan import UnitPlan, build_plan
+from ingest.shift import FIELDS
+from ingest.stream import Chunk, Stream
+
+__all__ = [
+    "FIELDS", "BadInputError", "BatchDigest", "Chunk", "Config", "ConfigError", "SourceConfig",
+    "Stream", "StreamError", "UnitPlan", "build_plan", "load_config", "step_digest",
+]

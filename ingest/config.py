@@ -1,0 +1,253 @@
+"""The feed's config: frozen dataclasses, validated as a whole, loaded from YAML.
+
+Every violation is collected and reported together (`ConfigError`), naming the field, what
+arrived and how to fix it. Fields that change the batches (`output_fields`) are fingerprinted
+into every checkpoint; the rest (workers, chunk_rows, prefetch) may change between runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from ingest.errors import ConfigError
+
+__all__ = ["Config", "SourceConfig", "load_config"]
+
+PACKINGS = ("concat", "first_fit", "best_fit", "none")
+SHIFTS = ("left", "right")
+LONG_DOCUMENT_POLICIES = ("split", "truncate")
+BAD_INPUT_POLICIES = ("error", "skip")
+FORMATS = ("parquet", "arrow", "jsonl")
+
+# Fields that may differ between a checkpoint and the config it is restored into.
+RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """One dataset.
+
+    Attributes:
+      paths: files, directories (searched recursively) and globs; local paths or any URI
+        pyarrow's filesystems accept (``s3://``, ``gs://``, ``file://``).
+      text_column: the string column holding one document per row.
+      weight: mixing weight (> 0); one source takes all rows.
+      format: ``parquet``, ``arrow`` (IPC file / Feather v2) or ``jsonl``; None picks by suffix.
+    """
+
+    paths: tuple[str, ...]
+    text_column: str = "text"
+    weight: float = 1.0
+    format: str | None = None
+
+    def problems(self, where: str) -> list[str]:
+        out = []
+        if isinstance(self.paths, str) or not isinstance(self.paths, tuple | list):
+            out.append(f"{where}.paths={self.paths!r} must be a list of paths, dirs or globs")
+        elif not self.paths:
+            out.append(f"{where}.paths is empty; give at least one file, directory or glob")
+        elif not all(isinstance(p, str) and p for p in self.paths):
+            out.append(f"{where}.paths={list(self.paths)!r} must hold non-empty strings")
+        if not isinstance(self.text_column, str) or not self.text_column:
+            out.append(f"{where}.text_column={self.text_column!r} must be a column name")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, int | float) or not (
+            self.weight > 0
+        ):
+            out.append(f"{where}.weight={self.weight!r} must be a number > 0")
+        if self.format is not None and self.format not in FORMATS:
+            out.append(f"{where}.format={self.format!r} must be one of {FORMATS} or null (auto)")
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """What to feed and how.
+
+    Attributes:
+      sources: the datasets (at least one).
+      tokenizer: ``gpt2``, ``cl100k``, a path to a HF ``tokenizer.json`` or to a ``.tiktoken``
+        file.
+      seq_len: tokens per row.
+      global_batch_size: rows per step (B), over all hosts.
+      num_streams: S, the number of deterministic streams; must divide B. Fixed for a run:
+        it never depends on how many workers run.
+      packing: ``concat`` (default), ``first_fit``, ``best_fit`` or ``none``.
+      packing_bins: bins a first_fit/best_fit packer fills before emitting them (grain's
+        ``num_packing_bins``).
+      long_documents: for first_fit/best_fit/none, a document longer than a row is ``split``
+        into row-sized pieces or ``truncate``d (truncated tokens are counted).
+      shift: ``left`` (targets are the next token of the stream) or ``right`` (inputs are the
+        targets shifted right with the end-of-document id first).
+      predict_across_documents: if false, no loss on a target that crosses into the next document.
+      seed: seeds every shuffle.
+      shuffle: shuffle units per epoch and documents inside units.
+      num_epochs: passes over the corpus; null means forever.
+      unit_rows: at most this many documents per unit (units are row groups or parts of them).
+      on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
+      on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
+      workers: Ray worker actors (one CPU each). Runtime only.
+      chunk_rows: rows per actor call. Runtime only.
+      prefetch: chunk requests in flight per stream. Runtime only.
+    """
+
+    sources: tuple[SourceConfig, ...]
+    tokenizer: str = "gpt2"
+    seq_len: int = 1024
+    global_batch_size: int = 32
+    num_streams: int = 8
+    packing: str = "concat"
+    packing_bins: int = 16
+    long_documents: str = "split"
+    shift: str = "left"
+    predict_across_documents: bool = False
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = 1
+    unit_rows: int = 256
+    on_bad_document: str = "error"
+    on_bad_file: str = "error"
+    workers: int = 2
+    chunk_rows: int = 16
+    prefetch: int = 2
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.sources, tuple | list) or not self.sources:
+            problems.append("sources must be a non-empty list of {paths, text_column, weight}")
+        else:
+            for i, s in enumerate(self.sources):
+                if not isinstance(s, SourceConfig):
+                    problems.append(f"sources[{i}] must be a mapping with paths, text_column, weight")
+                else:
+                    problems += s.problems(f"sources[{i}]")
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            problems.append(f"tokenizer={self.tokenizer!r} must be gpt2, cl100k or a file path")
+
+        def positive_int(name: str, allow_none: bool = False):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return True
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                problems.append(f"{name}={v!r} must be a positive integer"
+                                + (" or null" if allow_none else ""))
+                return False
+            return True
+
+        ok = [positive_int(n) for n in ("seq_len", "global_batch_size", "num_streams",
+                                        "packing_bins", "unit_rows", "workers", "chunk_rows",
+                                        "prefetch")]
+        positive_int("num_epochs", allow_none=True)
+        if all(ok[:3]) and self.global_batch_size % self.num_streams:
+            divisors = [d for d in range(1, self.global_batch_size + 1)
+                        if self.global_batch_size % d == 0]
+            problems.append(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"num_streams={self.num_streams}; choose num_streams in {divisors}")
+        for name, allowed in (("packing", PACKINGS), ("shift", SHIFTS),
+                              ("long_documents", LONG_DOCUMENT_POLICIES),
+                              ("on_bad_document", BAD_INPUT_POLICIES),
+                              ("on_bad_file", BAD_INPUT_POLICIES)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name}={getattr(self, name)!r} must be one of {list(allowed)}")
+        for name in ("predict_across_documents", "shuffle"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            problems.append(f"seed={self.seed!r} must be an integer >= 0")
+        if problems:
+            raise ConfigError(problems)
+        object.__setattr__(self, "sources", tuple(self.sources))
+
+    @property
+    def rows_per_stream(self) -> int:
+        """k = B / S: rows each stream contributes to every step."""
+        return self.global_batch_size // self.num_streams
+
+    def output_fields(self) -> dict[str, Any]:
+        """The fields that determine the batches (everything but runtime fields), as JSON."""
+        d = to_dict(self)
+        return {k: v for k, v in d.items() if k not in RUNTIME_FIELDS}
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.output_fields(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, base_dir: str | None = None) -> Config:
+        """Builds a config from plain data (parsed YAML), reporting every problem at once.
+
+        Relative local source paths resolve against ``base_dir`` (the YAML file's folder).
+        """
+        if not isinstance(raw, dict):
+            raise ConfigError([f"the config must be a mapping of fields, got {type(raw).__name__}"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        problems = [f"unknown field {k!r}; known fields: {sorted(known)}"
+                    for k in raw if k not in known]
+        sources = []
+        for i, s in enumerate(raw.get("sources") or []):
+            if not isinstance(s, dict):
+                problems.append(f"sources[{i}] must be a mapping with paths, text_column, weight")
+                continue
+            sknown = {f.name for f in dataclasses.fields(SourceConfig)}
+            problems += [f"sources[{i}]: unknown field {k!r}; known fields: {sorted(sknown)}"
+                         for k in s if k not in sknown]
+            paths = s.get("paths", ())
+            if isinstance(paths, str):
+                paths = [paths]
+            if isinstance(paths, list):
+                paths = tuple(_resolve(p, base_dir) for p in paths)
+            kw = {k: v for k, v in s.items() if k in sknown and k != "paths"}
+            sources.append(SourceConfig(paths=paths, **kw))
+        kwargs = {k: v for k, v in raw.items() if k in known and k != "sources"}
+        if "tokenizer" in kwargs and isinstance(kwargs["tokenizer"], str):
+            kwargs["tokenizer"] = _resolve_tokenizer(kwargs["tokenizer"], base_dir)
+        try:
+            cfg = cls(sources=tuple(sources), **kwargs)
+        except ConfigError as e:
+            problems += e.problems
+            cfg = None
+        if problems:
+            raise ConfigError(problems)
+        return cfg
+
+
+def _resolve(path: str, base_dir: str | None) -> str:
+    if not isinstance(path, str) or base_dir is None or "://" in path or os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(base_dir, path))
+
+
+def _resolve_tokenizer(name: str, base_dir: str | None) -> str:
+    if os.sep in name or name.endswith((".json", ".tiktoken")):
+        return _resolve(name, base_dir)
+    return name
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d["sources"] = [dict(s, paths=list(s["paths"])) for s in d["sources"]]
+    return d
+
+
+def load_config(path: str, **overrides: Any) -> Config:
+    """Reads a YAML config file; ``overrides`` (non-None values) replace its fields."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{path} is not valid YAML: {e}"], where=path) from e
+    raw = dict(raw or {})
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
+    except ConfigError as e:
+        raise ConfigError(e.problems, where=path) from None

@@ -1,0 +1,49 @@
+"""Error types shared by every layer.
+
+`ValueError`/`TypeError`/`FileNotFoundError` are used for what they mean; these add context
+(the file, row and field of a bad document, the stream of a failed chunk) so that a message
+read on the host says exactly what to fix.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BadInputError", "ConfigError", "IngestInternalError", "StreamError"]
+
+
+class ConfigError(ValueError):
+    """A config (or a resume against a config) is invalid; lists every violation at once."""
+
+    def __init__(self, problems: list[str], *, where: str = "config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in {where}:\n{lines}")
+
+
+class BadInputError(ValueError):
+    """A document, file or column of the corpus cannot be used.
+
+    Attributes:
+      reason: a short machine-readable reason (``null_text``, ``empty_text``, ``corrupt_file``...),
+        the same key under which a skip of this kind is counted.
+      path: the file.
+      row: the row within the file, or None for a whole-file problem.
+    """
+
+    def __init__(self, message: str, *, reason: str, path: str, row: int | None = None):
+        self.reason = reason
+        self.path = path
+        self.row = row
+        super().__init__(message)
+
+
+class StreamError(RuntimeError):
+    """A stream failed while producing a chunk; carries the stream id and where it was."""
+
+    def __init__(self, message: str, *, stream_id: int, worker: str | None = None):
+        self.stream_id = stream_id
+        self.worker = worker
+        super().__init__(message)
+
+
+class IngestInternalError(AssertionError):
+    """A broken invariant: this is a bug in ingest, please report it with the message."""

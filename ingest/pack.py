@@ -1,0 +1,93 @@
+"""Packing: laying document tokens out in rows of ``seq_len``.
+
+Every packer returns rows as three ``[n, W]`` arrays: ``tokens`` (int32), ``starts`` (True where
+a segment begins) and ``valid`` (False on padding). ``W = seq_len + 1`` for the left shift, whose
+last column is the next row's first token (the target of the last input), else ``seq_len``.
+
+``concat`` cuts the stream's token sequence into windows (documents end with EOS, ``|`` marks
+a document start, L=4, left shift)::
+
+    tokens   |a b c E |d e E |f g h i j E ...
+    row 0    a b c E d        (inputs a b c E, targets b c E d)
+    row 1    d e E f g        (d continues: position restarts at 0, no start mark)
+
+``first_fit``/``best_fit`` follow grain's ``FirstFitPackIterDataset``/``BestFitPackIterDataset``
+(``shuffle_bins=False``): pieces (documents, or row-sized parts of long ones) go into
+``num_bins`` open bins until one fits nowhere; then all bins are emitted as rows and packing
+restarts with that piece. First fit takes the first bin with room; best fit the fullest bin
+with room (ties: the first)::
+
+    pieces 3 2 4 1 3 2   L=5, 2 bins
+    first_fit  bin0: 3 2   bin1: 4 1   -> piece 3 fits nowhere: emit [3 2][4 1], restart
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["assign_bins", "concat_rows", "fill_bins"]
+
+
+def concat_rows(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: int,
+                width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cuts ``n_rows`` windows of ``width`` tokens, ``seq_len`` apart, from a flat sequence.
+
+    Tokens missing at the end (finite data) become padding (``valid`` False).
+    """
+    need = (n_rows - 1) * seq_len + width
+    have = min(len(tokens), need)
+    tok = np.zeros(need, dtype=np.int32)
+    st = np.zeros(need, dtype=bool)
+    tok[:have] = tokens[:have]
+    st[:have] = starts[:have]
+    valid = np.zeros(need, dtype=bool)
+    valid[:have] = True
+    idx = np.arange(n_rows)[:, None] * seq_len + np.arange(width)[None, :]
+    return tok[idx], st[idx], valid[idx]
+
+
+def assign_bins(lengths: np.ndarray, capacity: int, num_bins: int, best_fit: bool) -> tuple[
+        list[list[int]], int]:
+    """Packs pieces, in order, into at most ``num_bins`` bins until one fits nowhere.
+
+    Args:
+      lengths: piece lengths, each <= capacity.
+      capacity: tokens per bin (row).
+      num_bins: open bins (grain's ``num_packing_bins``).
+      best_fit: fullest fitting bin instead of the first fitting bin.
+
+    Returns:
+      (bins, consumed): piece indices per non-empty bin, and how many leading pieces were
+      placed (the rest start the next packing batch).
+    """
+    used = np.zeros(num_bins, dtype=np.int64)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i, n in enumerate(lengths.tolist()):
+        fits = used + n <= capacity
+        if not fits.any():
+            return [b for b in bins if b], i
+        if best_fit:
+            b = int(np.argmax(np.where(fits, used, -1)))
+        else:
+            b = int(np.argmax(fits))
+        used[b] += n
+        bins[b].append(i)
+    return [b for b in bins if b], len(lengths)
+
+
+def fill_bins(pieces: list[np.ndarray], bins: list[list[int]], width: int) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
+    """Lays each bin's pieces out in one row; every piece starts a segment."""
+    n = len(bins)
+    tok = np.zeros((n, width), dtype=np.int32)
+    st = np.zeros((n, width), dtype=bool)
+    valid = np.zeros((n, width), dtype=bool)
+    for r, b in enumerate(bins):
+        at = 0
+        for i in b:
+            p = pieces[i]
+            tok[r, at:at + len(p)] = p
+            st[r, at] = True
+            at += len(p)
+        valid[r, :at] = True
+    return tok, st, valid

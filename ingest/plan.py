@@ -1,0 +1,153 @@
+"""The unit plan: which slices of which files exist, and which stream reads which, per epoch.
+
+A *unit* is a fixed slice of one row group of one file. The plan is a pure function of the
+sources' file lists, their metadata and ``unit_rows``; its fingerprint goes into every
+checkpoint. Each epoch, units are permuted with a generator keyed by (seed, epoch) and dealt
+to streams so that streams get similar byte counts::
+
+    row groups   f0:[0..600) f0:[600..900)  f1:[0..500)
+    units        u0 [0,256) u1 [256,512) u2 [512,600)  u3 [600,900)  u4 [0,250) u5 [250,500)
+                 (unit_rows=256: a row group of n rows splits into ceil(n/256) near-equal parts)
+    epoch e      permute -> u3 u0 u5 u2 u4 u1
+    deal S=2     next unit goes to the stream with the fewest bytes so far (ties: lowest id)
+                 s0: u3 u2 u1 ...   s1: u0 u5 u4 ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import json
+
+import numpy as np
+
+from ingest.config import Config
+from ingest.errors import BadInputError
+from ingest.sources import FileInfo, describe_file, list_files
+
+__all__ = ["Unit", "UnitPlan", "build_plan", "deal_units", "philox"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Rows ``[row_start, row_end)`` of row group ``group`` of file ``file`` (indices into the
+    plan's files); ``nbytes`` estimates its text bytes."""
+
+    source: int
+    file: int
+    group: int
+    row_start: int
+    row_end: int
+    nbytes: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """All units of the corpus.
+
+    Attributes:
+      files: every usable file, in source then path order.
+      text_columns: per source.
+      units: every unit, in file order.
+      skipped_files: (path, reason, message) for files skipped under ``on_bad_file: skip``.
+      fingerprint: hash of the files and their metadata.
+    """
+
+    files: tuple[FileInfo, ...]
+    text_columns: tuple[str, ...]
+    units: tuple[Unit, ...]
+    skipped_files: tuple[tuple[str, str, str], ...]
+    fingerprint: str
+
+    @property
+    def total_rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
+
+
+def philox(*key: int) -> np.random.Generator:
+    """A counter-based generator keyed by integers (seed, epoch, unit...): same key, same draws."""
+    digest = hashlib.sha256(json.dumps(list(key)).encode()).digest()
+    words = np.frombuffer(digest[:16], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(key=words))
+
+
+def build_plan(config: Config) -> UnitPlan:
+    """Lists and inspects every file of every source and cuts it into units.
+
+    Raises:
+      FileNotFoundError: any source path matches nothing (all listed).
+      BadInputError: a file is unreadable or lacks a usable text column, unless
+        ``on_bad_file: skip`` (then it is recorded in ``skipped_files``).
+      ValueError: the corpus has no rows, or fewer units than ``num_streams``.
+    """
+    files: list[FileInfo] = []
+    file_source: list[int] = []
+    skipped: list[tuple[str, str, str]] = []
+    missing: list[str] = []
+    for si, src in enumerate(config.sources):
+        try:
+            paths = list_files(src.paths, src.format)
+        except FileNotFoundError as e:
+            missing.append(f"sources[{si}]: {e}")
+            continue
+        for p in paths:
+            try:
+                info = describe_file(p, src.format, src.text_column)
+            except BadInputError as e:
+                # A missing or mistyped column is a config mistake, never skipped silently.
+                if config.on_bad_file == "skip" and e.reason == "corrupt_file":
+                    skipped.append((p, e.reason, str(e)))
+                    continue
+                raise
+            files.append(info)
+            file_source.append(si)
+    if missing:
+        raise FileNotFoundError("\n".join(missing))
+
+    units: list[Unit] = []
+    for fi, info in enumerate(files):
+        for g, (rows, nbytes) in enumerate(zip(info.row_groups, info.group_bytes, strict=True)):
+            if rows == 0:
+                continue
+            parts = -(-rows // config.unit_rows)
+            bounds = np.linspace(0, rows, parts + 1).round().astype(int)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                units.append(Unit(source=file_source[fi], file=fi, group=g, row_start=int(a),
+                                  row_end=int(b), nbytes=max(1, nbytes * int(b - a) // rows)))
+    if not units:
+        srcs = ", ".join(str(list(s.paths)) for s in config.sources)
+        raise ValueError(f"the corpus is empty: sources {srcs} hold no rows"
+                         + (f" ({len(skipped)} file(s) skipped as bad)" if skipped else "")
+                         + "; point sources[].paths at files with data")
+    if len(units) < config.num_streams:
+        raise ValueError(
+            f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: some streams "
+            f"would get no data. Lower unit_rows (now {config.unit_rows}; the corpus has "
+            f"{sum(u.num_rows for u in units)} rows) or num_streams, or add data.")
+    blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups)] for f in files]
+                      + [list(config.sources[i].text_column for i in range(len(config.sources)))]
+                      + [config.unit_rows])
+    return UnitPlan(files=tuple(files),
+                    text_columns=tuple(s.text_column for s in config.sources),
+                    units=tuple(units), skipped_files=tuple(skipped),
+                    fingerprint=hashlib.sha256(blob.encode()).hexdigest()[:16])
+
+
+def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
+               shuffle: bool) -> list[list[int]]:
+    """The unit indices each stream reads in ``epoch``, in reading order."""
+    n = len(plan.units)
+    order = philox(seed, epoch, 0x0D3A1).permutation(n) if shuffle else np.arange(n)
+    nbytes = np.fromiter((u.nbytes for u in plan.units), dtype=np.int64, count=n)
+    heap = [(0, s) for s in range(num_streams)]
+    dealt: list[list[int]] = [[] for _ in range(num_streams)]
+    for u in order.tolist():
+        load, s = heapq.heappop(heap)
+        dealt[s].append(u)
+        heapq.heappush(heap, (load + int(nbytes[u]), s))
+    return dealt

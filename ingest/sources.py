@@ -1,0 +1,303 @@
+"""Finding corpus files and reading documents out of them.
+
+Paths may be local files, directories (searched recursively), globs, or any URI that
+``pyarrow.fs.FileSystem.from_uri`` accepts (``s3://``, ``gs://``, ``file://``...). Formats:
+Parquet, Arrow IPC file / Feather v2, and JSON Lines. A file's *row groups* are Parquet row
+groups, IPC record batches, or the whole file for JSONL; units never cross them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import io
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from ingest.errors import BadInputError
+
+__all__ = ["FileInfo", "describe_file", "list_files", "read_texts"]
+
+SUFFIXES = {
+    ".parquet": "parquet", ".pq": "parquet",
+    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """One corpus file and the metadata the plan is built from.
+
+    Attributes:
+      path: as given or found (local path or URI).
+      format: parquet, arrow or jsonl.
+      size: bytes on storage.
+      row_groups: rows in each row group, in file order.
+      group_bytes: uncompressed bytes of the text column per row group (balances the deal).
+    """
+
+    path: str
+    format: str
+    size: int
+    row_groups: tuple[int, ...]
+    group_bytes: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_groups)
+
+
+def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def _format_of(path: str, forced: str | None) -> str | None:
+    if forced:
+        return forced
+    return SUFFIXES.get(os.path.splitext(path)[1].lower())
+
+
+def _hidden(path: str) -> bool:
+    return os.path.basename(path).startswith((".", "_"))
+
+
+def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
+    """Expands files, directories and globs into a sorted list of data files.
+
+    Raises:
+      FileNotFoundError: listing every path that matched nothing, at once.
+    """
+    found: list[str] = []
+    missing: list[str] = []
+    for p in paths:
+        fs, base = _filesystem(p)
+        is_uri = "://" in p
+        prefix = p.split("://", 1)[0] + "://" if is_uri else ""
+        if any(c in p for c in "*?["):
+            if is_uri:
+                root = base.split("*")[0].split("?")[0].split("[")[0].rsplit("/", 1)[0]
+                infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+                hits = [prefix + i.path for i in infos
+                        if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, base)]
+            else:
+                hits = [h for h in glob.glob(p, recursive=True) if os.path.isfile(h)]
+            hits = [h for h in hits if not _hidden(h)]
+            (found.extend(hits) if hits else missing.append(f"{p} (glob matched no file)"))
+            continue
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.File:
+            found.append(p)
+        elif info.type == pafs.FileType.Directory:
+            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+            hits = []
+            for i in infos:
+                if i.type != pafs.FileType.File or _hidden(i.path):
+                    continue
+                if _format_of(i.path, fmt) is None:
+                    continue
+                hits.append(prefix + i.path if is_uri else i.path)
+            (found.extend(hits) if hits else missing.append(
+                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl file)"))
+        else:
+            missing.append(p)
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} source path(s) not found: " + "; ".join(missing)
+            + ". Check sources[].paths in the config.")
+    return sorted(dict.fromkeys(found))
+
+
+def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
+    """Reads a file's metadata and checks its text column.
+
+    Raises:
+      BadInputError: reason ``corrupt_file`` (unreadable), ``missing_column`` or
+        ``column_type`` (the text column is absent or not string/binary).
+    """
+    fmt = _format_of(path, fmt)
+    if fmt is None:
+        raise BadInputError(
+            f"{path}: unknown file type; use .parquet, .arrow/.feather or .jsonl, or set "
+            f"sources[].format", reason="unknown_format", path=path)
+    fs, local = _filesystem(path)
+    try:
+        size = fs.get_file_info(local).size
+        if fmt == "parquet":
+            with fs.open_input_file(local) as f:
+                md = pq.ParquetFile(f).metadata
+                schema = md.schema.to_arrow_schema()
+                _check_column(schema, text_column, path)
+                ci = schema.get_field_index(text_column)
+                rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
+                nbytes = tuple(max(1, md.row_group(i).column(ci).total_uncompressed_size)
+                               for i in range(md.num_row_groups))
+        elif fmt == "arrow":
+            with fs.open_input_file(local) as f:
+                reader = ipc.open_file(f)
+                _check_column(reader.schema, text_column, path)
+                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+                rows = tuple(b.num_rows for b in batches)
+                nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
+        else:
+            with fs.open_input_stream(local) as f:
+                data = f.read()
+            n = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+            rows, nbytes = (n,), (max(1, len(data)),)
+    except BadInputError:
+        raise
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
+        raise BadInputError(
+            f"{path}: cannot read this {fmt} file ({type(e).__name__}: {e}); replace or remove "
+            f"it, or set on_bad_file: skip to skip it (counted)",
+            reason="corrupt_file", path=path) from e
+    return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes)
+
+
+def _check_column(schema: pa.Schema, column: str, path: str) -> None:
+    if schema.get_field_index(column) < 0:
+        raise BadInputError(
+            f"{path}: text_column={column!r} not found; the file has columns {schema.names}; "
+            f"set sources[].text_column to one of them", reason="missing_column", path=path)
+    t = schema.field(column).type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t) or pa.types.is_string_view(t)):
+        raise BadInputError(
+            f"{path}: text_column={column!r} has type {t}, expected string (or binary holding "
+            f"UTF-8); point text_column at a text column", reason="column_type", path=path)
+
+
+class _JsonlCache:
+    """Keeps the last JSONL file read, since its units are slices of one parse."""
+
+    path: str | None = None
+    texts: list = []
+
+
+_jsonl_cache = _JsonlCache()
+
+
+def read_texts(info: FileInfo, group: int, start: int, stop: int,
+               text_column: str) -> pa.Array:
+    """Rows ``[start, stop)`` of row group ``group`` of the text column, as an Arrow array.
+
+    Values may be null or invalid UTF-8: the caller decides what is bad.
+
+    Raises:
+      BadInputError: reason ``corrupt_file`` when the data cannot be read or decoded.
+    """
+    fs, local = _filesystem(info.path)
+    try:
+        if info.format == "parquet":
+            with fs.open_input_file(local) as f:
+                table = pq.ParquetFile(f).read_row_group(group, columns=[text_column])
+            col = table.column(0).slice(start, stop - start)
+            return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        if info.format == "arrow":
+            with fs.open_input_file(local) as f:
+                batch = ipc.open_file(f).get_batch(group)
+            return batch.column(text_column).slice(start, stop - start)
+        return pa.array(_jsonl_rows(info, fs, local, text_column)[start:stop], type=pa.binary())
+    except BadInputError:
+        raise
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
+        raise BadInputError(
+            f"{info.path}: cannot read rows {start}..{stop} of row group {group} "
+            f"({type(e).__name__}: {e}); replace the file, or set on_bad_file: skip",
+            reason="corrupt_file", path=info.path) from e
+
+
+def _jsonl_rows(info: FileInfo, fs, local: str, text_column: str) -> list:
+    if _jsonl_cache.path == info.path:
+        return _jsonl_cache.texts
+    with fs.open_input_stream(local) as f:
+        data = f.read()
+    texts: list = []
+    for lineno, line in enumerate(io.BytesIO(data)):
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            # Invalid UTF-8 or bad JSON on one line is a bad *document*, not a bad file.
+            texts.append(_BadLine(str(e)))
+            continue
+        value = obj.get(text_column) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and text_column not in obj:
+            raise BadInputError(
+                f"{info.path}: line {lineno + 1} has no field text_column={text_column!r} "
+                f"(fields: {sorted(obj)}); set sources[].text_column", reason="missing_column",
+                path=info.path, row=lineno)
+        if value is not None and not isinstance(value, str):
+            raise BadInputError(
+                f"{info.path}: line {lineno + 1}: text_column={text_column!r} holds "
+                f"{type(value).__name__}, expected a string", reason="column_type",
+                path=info.path, row=lineno)
+        texts.append(None if value is None else value.encode("utf-8", "surrogatepass"))
+    texts = [b"\xff" if isinstance(t, _BadLine) else t for t in texts]
+    _jsonl_cache.path, _jsonl_cache.texts = info.path, texts
+    return texts
+
+
+class _BadLine(str):
+    pass
+
+
+def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
+    """Turns a string/binary array into Python strings.
+
+    Returns:
+      (texts, bad) where ``bad[i]`` is 0 for a usable text, else a reason code from
+      ``BAD_REASONS`` (the text at a bad index is None).
+    """
+    n = len(arr)
+    bad = np.zeros(n, dtype=np.int8)
+    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type):
+        raw = arr.to_pylist()
+        texts = []
+        for i, b in enumerate(raw):
+            if b is None:
+                texts.append(None)
+                continue
+            try:
+                texts.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                texts.append(None)
+                bad[i] = BAD_REASONS.index("invalid_utf8")
+        return _mark_empty(texts, bad)
+    try:
+        arr.validate(full=True)
+        texts = arr.to_pylist()
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        # Some value is not valid UTF-8: find which, one by one (rare, so the slow path is fine).
+        texts = []
+        for i in range(n):
+            try:
+                v = arr[i].as_py()
+            except (pa.ArrowInvalid, UnicodeDecodeError):
+                v = None
+                bad[i] = BAD_REASONS.index("invalid_utf8")
+            texts.append(v)
+    return _mark_empty(texts, bad)
+
+
+# Reason codes for bad documents; index 0 means "good".
+BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8")
+
+
+def _mark_empty(texts: list, bad: np.ndarray) -> tuple[list, np.ndarray]:
+    for i, t in enumerate(texts):
+        if bad[i]:
+            continue
+        if t is None:
+            bad[i] = 1
+        elif not t:
+            bad[i] = 2
+    return texts, bad

