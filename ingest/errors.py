@@ -15,8 +15,12 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[str], *, where: str = "config"):
         self.problems = list(problems)
+        self.where = where
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in {where}:\n{lines}")
+
+    def __reduce__(self):
+        return (_rebuild, (ConfigError, (self.problems,), {"where": self.where}))
 
 
 class BadInputError(ValueError):
@@ -35,6 +39,10 @@ class BadInputError(ValueError):
         self.row = row
         super().__init__(message)
 
+    def __reduce__(self):
+        return (_rebuild, (BadInputError, (str(self),),
+                           {"reason": self.reason, "path": self.path, "row": self.row}))
+
 
 class StreamError(RuntimeError):
     """A stream failed while producing a chunk; carries the stream id and where it was."""
@@ -44,6 +52,15 @@ class StreamError(RuntimeError):
         self.worker = worker
         super().__init__(message)
 
+    def __reduce__(self):
+        return (_rebuild, (StreamError, (str(self),),
+                           {"stream_id": self.stream_id, "worker": self.worker}))
+
 
 class IngestInternalError(AssertionError):
     """A broken invariant: this is a bug in ingest, please report it with the message."""
+
+
+def _rebuild(cls, args, kwargs):
+    # Exceptions cross process boundaries (Ray) by pickling; keyword-only fields need this.
+    return cls(*args, **kwargs)

@@ -1,0 +1,65 @@
+"""The ``ingest`` command line.
+
+``ingest run [CONFIG]`` feeds a mesh of all local devices and reports throughput, waits and a
+digest of every batch. Parsing lives here; running needs JAX (and Ray), so the runner is loaded
+from ``jax_side.run`` only when a command runs, keeping ``ingest`` importable without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ingest", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="feed batches into a mesh of all local devices",
+                       description="Run the feed. Without CONFIG, runs the built-in demo corpus "
+                                   "(the Python standard library's source as Parquet shards).")
+    r.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
+    r.add_argument("--steps", type=int, help="stop after this many steps in total (a resumed "
+                   "run stops at the same step); default: until the data ends")
+    r.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
+    r.add_argument("--backend", choices=("ray", "local"), default="ray",
+                   help="ray: worker actors (default); local: in-process, no Ray")
+    r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
+                   "a local cluster on 127.0.0.1)")
+    r.add_argument("--digest", action="store_true",
+                   help="SHA-256 over every global batch (comparable across runs)")
+    r.add_argument("--digest-log", metavar="FILE",
+                   help="append one line 'STEP SHA256' per delivered step")
+    r.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on the last line of stdout")
+    r.add_argument("--checkpoint-dir", metavar="DIR", help="save the feed state here (orbax)")
+    r.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="save every K steps (needs --checkpoint-dir)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problems = []
+    if args.steps is not None and args.steps <= 0:
+        problems.append(f"--steps={args.steps} must be positive")
+    if args.workers is not None and args.workers <= 0:
+        problems.append(f"--workers={args.workers} must be positive")
+    if args.checkpoint_every is not None and (args.checkpoint_every <= 0 or not args.checkpoint_dir):
+        problems.append("--checkpoint-every K needs K > 0 and --checkpoint-dir DIR")
+    if args.resume and not args.checkpoint_dir:
+        problems.append("--resume needs --checkpoint-dir DIR")
+    if problems:
+        print("ingest: error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    runner = importlib.import_module("jax_side.run")
+    return runner.run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""``ingest run``: the feed on a mesh of all local devices, with progress, summary and digest."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from ingest.config import load_config
+from ingest.demo import demo_config
+from ingest.digest import BatchDigest, step_digest
+
+__all__ = ["run_command", "start_ray"]
+
+log = logging.getLogger("ingest")
+
+
+def _process_start_time() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 -- psutil comes with ray[default]; fall back to now
+        return time.time()
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Connects to ``address`` (or $RAY_ADDRESS), else starts a local cluster on loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # A cluster this command starts listens on 127.0.0.1 only (FACTS.md).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+             logging_level=logging.WARNING, configure_logging=True)
+
+
+def _summary_lines(s: dict[str, Any]) -> list[str]:
+    lines = [
+        f"steps {s['steps']}  tokens {s['tokens']:,}  tokens/s {s['tokens_per_s']:,.0f}  "
+        f"startup {s['startup_s']:.2f} s  stall {100 * s['stall_fraction']:.1f}%",
+        f"backend {s['backend']}  workers {s['workers']}  streams {s['streams']}  "
+        f"padding rows {s['padding_rows']}  padding tokens {s['padding_tokens']:,}",
+        f"documents {s['documents']:,}  truncated documents {s['truncated_documents']} "
+        f"({s['truncated_tokens']:,} tokens)",
+    ]
+    for reason, per_file in sorted(s["skipped_documents"].items()):
+        total = sum(per_file.values())
+        lines.append(f"skipped {total} document(s) as {reason}: "
+                     + ", ".join(f"{p} ({n})" for p, n in sorted(per_file.items())))
+    for path in s["skipped_files"]:
+        lines.append(f"skipped unreadable file {path}")
+    for path, n in sorted(s["skipped_rows_of_bad_files"].items()):
+        lines.append(f"skipped {n} row(s) of unreadable data in {path}")
+    if "digest" in s:
+        lines.append(f"digest {s['digest']}")
+    return lines
+
+
+def run_command(args) -> int:
+    t_start = _process_start_time()
+    import jax
+
+    from jax_side.feed import HostFeed
+    from jax_side.sharding import batch_sharding
+
+    overrides = {"workers": args.workers}
+    cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
+    if args.backend == "ray":
+        start_ray(args.address)
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("data",))
+    if cfg.global_batch_size % len(devices):
+        print(f"ingest: error: global_batch_size={cfg.global_batch_size} is not divisible by the "
+              f"{len(devices)} local devices; change global_batch_size", file=sys.stderr)
+        return 2
+    sharding = batch_sharding(mesh, "data")
+    feed = HostFeed(cfg, sharding=sharding, backend=args.backend)
+    manager = None
+    if args.checkpoint_dir:
+        from jax_side import checkpoint
+
+        manager = checkpoint.open_manager(args.checkpoint_dir)
+        if args.resume:
+            restored = checkpoint.restore_latest_feed(manager)
+            if restored is not None:
+                feed.set_state(restored)
+                print(f"ingest: resumed at step {restored['step']} from {args.checkpoint_dir}",
+                      file=sys.stderr)
+            else:
+                print(f"ingest: no checkpoint in {args.checkpoint_dir}; starting fresh",
+                      file=sys.stderr)
+    start_step = feed.get_state()["step"]
+    digest = BatchDigest() if args.digest else None
+    digest_log = open(args.digest_log, "a", encoding="utf-8") if args.digest_log else None
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        total = (args.steps - start_step) if args.steps else None
+        bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True,
+                   desc="ingest run", disable=None)
+    step = start_step
+    first_batch_at = None
+    try:
+        if args.steps is not None and step >= args.steps:
+            batches = iter(())
+        else:
+            batches = feed
+        for batch in batches:
+            if first_batch_at is None:
+                first_batch_at = time.time()
+            step += 1
+            if digest is not None or digest_log is not None:
+                host = {k: np.asarray(v) for k, v in batch.items()}
+                if digest is not None:
+                    digest.update(host)
+                if digest_log is not None:
+                    digest_log.write(f"{step} {step_digest(host)}\n")
+                    digest_log.flush()
+            if manager is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
+                checkpoint.save_feed(manager, step, feed.get_state())
+            if bar is not None:
+                bar.update(1)
+                if step % 10 == 0:
+                    bar.set_postfix_str(f"{feed.tokens / max(1e-9, time.perf_counter() - (feed.first_batch_time or time.perf_counter())):,.0f} tok/s", refresh=False)
+            if args.steps is not None and step >= args.steps:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        if digest_log is not None:
+            digest_log.close()
+        if manager is not None:
+            manager.wait_until_finished()
+        stats = feed.stats()
+        feed.close()
+    stats["startup_s"] = (first_batch_at - t_start) if first_batch_at else float("nan")
+    stats["first_step"] = start_step
+    stats["last_step"] = step
+    if digest is not None:
+        stats["digest"] = digest.hexdigest()
+    for line in _summary_lines(stats):
+        print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(stats, sort_keys=True))
+    return 0
