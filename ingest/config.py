@@ -124,6 +124,13 @@ class Config:
                     problems.append(f"sources[{i}] must be a mapping with paths, text_column, weight")
                 else:
                     problems += s.problems(f"sources[{i}]")
+            weights = {s.weight for s in self.sources if isinstance(s, SourceConfig)}
+            if len(self.sources) > 1 and len(weights) > 1:
+                # Weighted mixing is not built yet; pooling would silently ignore the weights.
+                problems.append(
+                    f"sources have different weights {sorted(weights)}, but weighted mixtures are "
+                    f"not supported yet: several sources are pooled in proportion to their size. "
+                    f"Give every source the same weight (or none)")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             problems.append(f"tokenizer={self.tokenizer!r} must be gpt2, cl100k or a file path")
 

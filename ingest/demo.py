@@ -19,7 +19,7 @@ from ingest.config import Config, SourceConfig
 __all__ = ["demo_config", "write_demo_corpus"]
 
 NUM_SHARDS = 8
-ROW_GROUP_SIZE = 64
+ROW_GROUP_SIZE = 8
 
 
 def _cache_root() -> str:
