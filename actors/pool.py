@@ -62,7 +62,10 @@ class WorkerPool:
     def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
         """Opens every stream at ``(state, rows to skip)`` (None state: the beginning)."""
         refs = [self._placement[s].open.remote(s, st, skip) for s, (st, skip) in states.items()]
-        _get(refs, self._timeout, "opening streams")
+        for out in _get(refs, self._timeout, "opening streams"):
+            if isinstance(out, WorkerError):
+                raise StreamError(str(out), stream_id=out.stream_id,
+                                  worker=out.worker) from out.cause
         for s in self._stream_ids:
             self._fill(s)
 

@@ -59,14 +59,19 @@ class StreamWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def open(self, stream_id: int, state: dict[str, Any] | None, skip_rows: int = 0) -> int:
+    def open(self, stream_id: int, state: dict[str, Any] | None,
+             skip_rows: int = 0) -> int | WorkerError:
         """Opens (or reopens) a stream at ``state``, then drops ``skip_rows`` rows."""
         s = Stream(self._config, self._plan, stream_id)
         if state is not None:
-            s.set_state(state)
+            out = self._call(stream_id, s.set_state, state)
+            if isinstance(out, WorkerError):
+                return out
         self._streams[stream_id] = s
         if skip_rows:
-            self._call(stream_id, s.produce, skip_rows)
+            out = self._call(stream_id, s.produce, skip_rows)
+            if isinstance(out, WorkerError):
+                return out
         return stream_id
 
     def close(self, stream_id: int) -> dict[str, Any] | None:
