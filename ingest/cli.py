@@ -1,17 +1,16 @@
-"""The ``ingest`` command line.
+"""The ``ingest`` command line: its commands and flags, and their checks.
 
 ``ingest run [CONFIG]`` feeds a mesh of all local devices and reports throughput, waits and a
-digest of every batch. Parsing lives here; running needs JAX (and Ray), so the runner is loaded
-from ``jax_side.run`` only when a command runs, keeping ``ingest`` importable without them.
+digest of every batch. This module only parses; running needs JAX and Ray, so the console
+script is ``jax_side.run:main``, which parses with ``parse_args`` here and then runs. That keeps
+``ingest`` free of any JAX, Ray or jax_side import.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 
-__all__ = ["main"]
+__all__ = ["build_parser", "parse_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses and checks the command line; exits with status 2 naming every problem."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     problems = []
     if args.steps is not None and args.steps <= 0:
         problems.append(f"--steps={args.steps} must be positive")
@@ -55,11 +56,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir DIR")
     if problems:
-        print("ingest: error: " + "; ".join(problems), file=sys.stderr)
-        return 2
-    runner = importlib.import_module("jax_side.run")
-    return runner.run_command(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        parser.error("; ".join(problems))
+    return args

@@ -22,6 +22,7 @@ SHIFTS = ("left", "right")
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 BAD_INPUT_POLICIES = ("error", "skip")
 FORMATS = ("parquet", "arrow", "jsonl")
+TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 
 # Fields that may differ between a checkpoint and the config it is restored into.
 RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch"})
@@ -131,8 +132,12 @@ class Config:
                     f"sources have different weights {sorted(weights)}, but weighted mixtures are "
                     f"not supported yet: several sources are pooled in proportion to their size. "
                     f"Give every source the same weight (or none)")
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            problems.append(f"tokenizer={self.tokenizer!r} must be gpt2, cl100k or a file path")
+        if not isinstance(self.tokenizer, str) or not (
+                self.tokenizer in TOKENIZER_NAMES or self.tokenizer.endswith(
+                    (".json", ".tiktoken"))):
+            problems.append(f"tokenizer={self.tokenizer!r} is unknown; use one of "
+                            f"{list(TOKENIZER_NAMES)}, a path to a HF tokenizer.json, or a path "
+                            f"to a .tiktoken file")
 
         def positive_int(name: str, allow_none: bool = False):
             v = getattr(self, name)
@@ -148,7 +153,7 @@ class Config:
                                         "packing_bins", "unit_rows", "workers", "chunk_rows",
                                         "prefetch")]
         positive_int("num_epochs", allow_none=True)
-        if all(ok[:3]) and self.global_batch_size % self.num_streams:
+        if ok[1] and ok[2] and self.global_batch_size % self.num_streams:
             divisors = [d for d in range(1, self.global_batch_size + 1)
                         if self.global_batch_size % d == 0]
             problems.append(

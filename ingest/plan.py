@@ -129,7 +129,8 @@ def build_plan(config: Config) -> UnitPlan:
             f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: some streams "
             f"would get no data. Lower unit_rows (now {config.unit_rows}; the corpus has "
             f"{sum(u.num_rows for u in units)} rows) or num_streams, or add data.")
-    blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups)] for f in files]
+    blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups), f.content_key]
+                       for f in files]
                       + [list(config.sources[i].text_column for i in range(len(config.sources)))]
                       + [config.unit_rows])
     return UnitPlan(files=tuple(files),

@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
+import hashlib
 import io
 import json
 import os
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +44,9 @@ class FileInfo:
       size: bytes on storage.
       row_groups: rows in each row group, in file order.
       group_bytes: uncompressed bytes of the text column per row group (balances the deal).
+      content_key: a hash that changes when the file's content does: the Parquet footer (with
+        its column statistics), the Arrow footer plus the file's first and last 64 KiB, or all
+        of a JSONL file.
     """
 
     path: str
@@ -49,6 +54,7 @@ class FileInfo:
     size: int
     row_groups: tuple[int, ...]
     group_bytes: tuple[int, ...]
+    content_key: str = ""
 
     @property
     def num_rows(self) -> int:
@@ -134,6 +140,7 @@ def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
         size = fs.get_file_info(local).size
         if fmt == "parquet":
             with fs.open_input_file(local) as f:
+                key = _tail_hash(f, size, magic=b"PAR1", head_bytes=0)
                 md = pq.ParquetFile(f).metadata
                 schema = md.schema.to_arrow_schema()
                 _check_column(schema, text_column, path)
@@ -143,6 +150,7 @@ def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
                                for i in range(md.num_row_groups))
         elif fmt == "arrow":
             with fs.open_input_file(local) as f:
+                key = _tail_hash(f, size, magic=b"ARROW1", head_bytes=1 << 16)
                 reader = ipc.open_file(f)
                 _check_column(reader.schema, text_column, path)
                 batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -153,6 +161,7 @@ def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
                 data = f.read()
             n = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
             rows, nbytes = (n,), (max(1, len(data)),)
+            key = hashlib.sha256(data).hexdigest()[:16]
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -160,7 +169,29 @@ def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
             f"{path}: cannot read this {fmt} file ({type(e).__name__}: {e}); replace or remove "
             f"it, or set on_bad_file: skip to skip it (counted)",
             reason="corrupt_file", path=path) from e
-    return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes)
+    return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes,
+                    content_key=key)
+
+
+def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:
+    """Hashes a file's footer (format: ``<footer><int32 length><magic>``) and its head."""
+    h = hashlib.sha256()
+    tail = 4 + len(magic)
+    if size >= tail:
+        f.seek(size - tail)
+        end = f.read(tail)
+        if end[4:] == magic:
+            n = int.from_bytes(end[:4], "little")
+            if 0 < n <= size - tail:
+                f.seek(size - tail - n)
+                h.update(f.read(n))
+    if head_bytes:
+        f.seek(0)
+        h.update(f.read(min(size, head_bytes)))
+        f.seek(max(0, size - head_bytes))
+        h.update(f.read())
+    f.seek(0)
+    return h.hexdigest()[:16]
 
 
 def _check_column(schema: pa.Schema, column: str, path: str) -> None:
@@ -176,19 +207,10 @@ def _check_column(schema: pa.Schema, column: str, path: str) -> None:
             f"UTF-8); point text_column at a text column", reason="column_type", path=path)
 
 
-class _JsonlCache:
-    """Keeps the last JSONL file read, since its units are slices of one parse."""
-
-    path: str | None = None
-    texts: list = []
-
-
-_jsonl_cache = _JsonlCache()
-
-
 def read_texts(info: FileInfo, group: int, start: int, stop: int,
-               text_column: str) -> pa.Array:
-    """Rows ``[start, stop)`` of row group ``group`` of the text column, as an Arrow array.
+               text_column: str) -> tuple[pa.Array, np.ndarray | None]:
+    """Rows ``[start, stop)`` of row group ``group`` of the text column, as an Arrow array,
+    and, for JSONL, a reason code per row for lines that are not valid JSON (else None).
 
     Values may be null or invalid UTF-8: the caller decides what is bad.
 
@@ -201,12 +223,13 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
             with fs.open_input_file(local) as f:
                 table = pq.ParquetFile(f).read_row_group(group, columns=[text_column])
             col = table.column(0).slice(start, stop - start)
-            return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+            return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
         if info.format == "arrow":
             with fs.open_input_file(local) as f:
                 batch = ipc.open_file(f).get_batch(group)
-            return batch.column(text_column).slice(start, stop - start)
-        return pa.array(_jsonl_rows(info, fs, local, text_column)[start:stop], type=pa.binary())
+            return batch.column(text_column).slice(start, stop - start), None
+        texts, bad = _jsonl_rows(info, fs, local, text_column)
+        return pa.array(texts[start:stop], type=pa.binary()), bad[start:stop]
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -216,38 +239,52 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
             reason="corrupt_file", path=info.path) from e
 
 
-def _jsonl_rows(info: FileInfo, fs, local: str, text_column: str) -> list:
-    if _jsonl_cache.path == info.path:
-        return _jsonl_cache.texts
+_jsonl_lock = threading.Lock()
+_jsonl_cache: dict[tuple, tuple[list, np.ndarray]] = {}
+
+
+def _jsonl_rows(info: FileInfo, fs, local: str, text_column: str) -> tuple[list, np.ndarray]:
+    """All rows of a JSONL file as UTF-8 bytes (None for null), and a per-row mask of
+    malformed lines. Keeps the last file parsed, since its units are slices of one parse."""
+    st = fs.get_file_info(local)
+    key = (info.path, st.size, st.mtime_ns, text_column)
+    with _jsonl_lock:
+        if key in _jsonl_cache:
+            return _jsonl_cache[key]
     with fs.open_input_stream(local) as f:
         data = f.read()
     texts: list = []
+    bad = np.zeros(data.count(b"\n") + 1, dtype=np.int8)
     for lineno, line in enumerate(io.BytesIO(data)):
+        # Invalid UTF-8 or bad JSON on one line is a bad *document*, not a bad file.
         try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            # Invalid UTF-8 or bad JSON on one line is a bad *document*, not a bad file.
-            texts.append(_BadLine(str(e)))
+            obj = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            bad[lineno] = BAD_REASONS.index("invalid_utf8")
+            obj = None
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            bad[lineno] = bad[lineno] or BAD_REASONS.index("invalid_json")
+            texts.append(None)
             continue
-        value = obj.get(text_column) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and text_column not in obj:
+        if text_column not in obj:
             raise BadInputError(
                 f"{info.path}: line {lineno + 1} has no field text_column={text_column!r} "
                 f"(fields: {sorted(obj)}); set sources[].text_column", reason="missing_column",
                 path=info.path, row=lineno)
+        value = obj[text_column]
         if value is not None and not isinstance(value, str):
             raise BadInputError(
                 f"{info.path}: line {lineno + 1}: text_column={text_column!r} holds "
                 f"{type(value).__name__}, expected a string", reason="column_type",
                 path=info.path, row=lineno)
         texts.append(None if value is None else value.encode("utf-8", "surrogatepass"))
-    texts = [b"\xff" if isinstance(t, _BadLine) else t for t in texts]
-    _jsonl_cache.path, _jsonl_cache.texts = info.path, texts
-    return texts
-
-
-class _BadLine(str):
-    pass
+    bad = bad[:len(texts)]
+    with _jsonl_lock:
+        _jsonl_cache.clear()
+        _jsonl_cache[key] = (texts, bad)
+    return texts, bad
 
 
 def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
@@ -289,7 +326,7 @@ def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
 
 
 # Reason codes for bad documents; index 0 means "good".
-BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8")
+BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json")
 
 
 def _mark_empty(texts: list, bad: np.ndarray) -> tuple[list, np.ndarray]:

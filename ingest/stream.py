@@ -172,8 +172,8 @@ class Stream:
         unit = self.plan.units[uid]
         info = self.plan.files[unit.file]
         try:
-            arr = read_texts(info, unit.group, unit.row_start, unit.row_end,
-                             self.plan.text_columns[unit.source])
+            arr, pre_bad = read_texts(info, unit.group, unit.row_start, unit.row_end,
+                                      self.plan.text_columns[unit.source])
         except BadInputError as e:
             if c.on_bad_file != "skip" or e.reason != "corrupt_file":
                 raise
@@ -187,12 +187,15 @@ class Stream:
         order = order[first_doc:]
         arr = arr.take(pa.array(order))
         texts, bad = decode_texts(arr)
+        if pre_bad is not None:
+            pre = pre_bad[order]
+            bad = np.where(pre != 0, pre, bad)
         if bad.any() and c.on_bad_document == "error":
             i = int(np.flatnonzero(bad)[0])
-            row = unit.row_start + int(order[i])
+            row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[i])
             reason = BAD_REASONS[bad[i]]
             raise BadInputError(
-                f"{info.path}: row {row} of row group {unit.group}, column "
+                f"{info.path}: row {row} (in row group {unit.group}), column "
                 f"{self.plan.text_columns[unit.source]!r}: {reason.replace('_', ' ')}; fix the "
                 f"data or set on_bad_document: skip to skip such documents (counted)",
                 reason=reason, path=info.path, row=row)

@@ -46,7 +46,9 @@ class TiktokenTokenizer:
         # encode_to_numpy with no allowed specials == encode_ordinary, returned as one buffer;
         # a plain loop beats encode_ordinary_batch's per-call thread pool (FACTS.md).
         enc = self._enc.encode_to_numpy
-        return [enc(t, allowed_special=frozenset(), disallowed_special=()) for t in texts]
+        # uint32 ids are < 2**31 for every vocabulary here: the int32 view is free.
+        return [enc(t, allowed_special=frozenset(), disallowed_special=()).view(np.int32)
+                for t in texts]
 
 
 class HFTokenizer:

@@ -24,6 +24,7 @@ from ingest.config import Config
 from ingest.plan import UnitPlan, build_plan
 from ingest.shift import FIELDS
 from ingest.stream import Chunk, Stream
+from ingest.tokenize import load_tokenizer
 from jax_side.sharding import host_rows
 
 __all__ = ["HostFeed", "LocalSource"]
@@ -113,6 +114,8 @@ class HostFeed:
         self.backend = backend
         self._rows = host_rows(sharding, config.global_batch_size, config.seq_len,
                                config.num_streams)
+        # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
+        load_tokenizer(config.tokenizer)
         self.plan = plan if plan is not None else build_plan(config)
         self._workers = workers if workers is not None else config.workers
         self._device_prefetch = device_prefetch

@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from ingest.config import load_config
+from ingest.cli import parse_args
+from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
+from ingest.errors import BadInputError, StreamError
 
-__all__ = ["run_command", "start_ray"]
+__all__ = ["main", "run_command", "start_ray"]
 
 log = logging.getLogger("ingest")
 
@@ -155,3 +157,20 @@ def run_command(args) -> int:
     if args.json:
         print(json.dumps(stats, sort_keys=True))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``ingest`` console script."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run_command(args)
+    except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,
+            TimeoutError) as e:
+        # Input and config problems: the message names the fix; no traceback needed.
+        print(f"ingest: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Shared test helpers: small real corpora on disk, stream drivers and the resume check.
+
+Plain functions (not fixtures) so that any test module can import them; everything writes real
+files under a directory the test gives (``tmp_path``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+
+from ingest import FIELDS, Config, SourceConfig, Stream, build_plan
+from ingest.tokenize import load_tokenizer
+
+# Ordinary English words, so that the real BPE tokenizers give multi-token documents.
+WORDS = (
+    "the quick brown fox jumps over lazy dog while a small river runs past old stone bridge "
+    "under grey morning sky people walk to market carrying bread apples cheese and fresh fish "
+    "children laugh birds sing in tall green trees wind moves slowly across open field near "
+    "village where farmers plant wheat corn beans every spring before heavy rain arrives again"
+).split()
+
+F = {name: i for i, name in enumerate(FIELDS)}  # field name -> index into Chunk.fields
+
+
+def make_texts(n: int, seed: int, *, min_words: int = 1, max_words: int = 30,
+               tag: str = "") -> list[str]:
+    """``n`` distinct documents of random words; each starts with a unique ``tag{i}`` marker."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))]
+        out.append(f"Doc{tag}{seed}x{i}: " + " ".join(words) + ".")
+    return out
+
+
+def write_parquet(path, texts: Sequence[Any], *, row_group_size: int | None = None,
+                  column: str = "text", type: pa.DataType | None = None,
+                  extra_columns: dict[str, Sequence[Any]] | None = None,
+                  compression: str = "snappy") -> str:
+    """Writes one Parquet file whose column ``column`` holds ``texts``; returns its path."""
+    data = {column: pa.array(list(texts), type=type or pa.string())}
+    for name, values in (extra_columns or {}).items():
+        data[name] = pa.array(list(values))
+    pq.write_table(pa.table(data), str(path), row_group_size=row_group_size,
+                   compression=compression)
+    return str(path)
+
+
+def write_arrow(path, texts: Sequence[str], *, batch_size: int | None = None,
+                column: str = "text") -> str:
+    """Writes an Arrow IPC file (Feather v2), one record batch per ``batch_size`` rows."""
+    table = pa.table({column: pa.array(list(texts), type=pa.string())})
+    feather.write_feather(table, str(path), compression="uncompressed",
+                          chunksize=batch_size or max(1, len(texts)))
+    return str(path)
+
+
+def write_jsonl(path, texts: Sequence[str], *, column: str = "text") -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({column: t, "id": len(t)}) + "\n")
+    return str(path)
+
+
+def write_parquet_corpus(directory, n_files: int, docs_per_file: int, row_group_size: int,
+                         seed: int, *, min_words: int = 1, max_words: int = 30
+                         ) -> list[list[str]]:
+    """Writes ``n_files`` Parquet files ``part-NNNNN.parquet`` into ``directory``.
+
+    Returns:
+      The texts of each file, in file (= path) order.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    per_file = []
+    for i in range(n_files):
+        texts = make_texts(docs_per_file, seed * 1000 + i, min_words=min_words,
+                           max_words=max_words)
+        write_parquet(directory / f"part-{i:05d}.parquet", texts, row_group_size=row_group_size)
+        per_file.append(texts)
+    return per_file
+
+
+def make_config(paths: Sequence[str], **overrides: Any) -> Config:
+    """A small config over one source (``paths``); keyword arguments replace any field."""
+    fields: dict[str, Any] = dict(seq_len=16, global_batch_size=2, num_streams=1, unit_rows=4,
+                                  packing_bins=3, num_epochs=1, seed=7)
+    source_kw = {k: overrides.pop(k) for k in ("text_column", "format") if k in overrides}
+    fields.update(overrides)
+    return Config(sources=(SourceConfig(paths=tuple(str(p) for p in paths), **source_kw),),
+                  **fields)
+
+
+def tokenize(texts: Sequence[str], tokenizer: str = "gpt2") -> list[list[int]]:
+    """Each text's token ids (ordinary text) followed by the end-of-document id."""
+    tok = load_tokenizer(tokenizer)
+    return [list(map(int, ids)) + [tok.eos_id] for ids in tok.encode_batch(list(texts))]
+
+
+# -- driving streams ----------------------------------------------------------------------
+
+
+def next_row(stream: Stream) -> np.ndarray | None:
+    """One row (``[6, seq_len]``) or None once the stream is exhausted."""
+    chunk = stream.produce(1)
+    return chunk.fields[:, 0] if chunk.num_rows else None
+
+
+def drain(stream: Stream, n_rows: int | Sequence[int] = 1, max_chunks: int = 100_000
+          ) -> np.ndarray:
+    """All remaining rows as ``[6, n, seq_len]``, asking ``n_rows`` per call (or cycling
+    through a sequence of sizes)."""
+    sizes = [n_rows] if isinstance(n_rows, int) else list(n_rows)
+    parts = []
+    for i in range(max_chunks):
+        chunk = stream.produce(sizes[i % len(sizes)])
+        assert chunk.state_after == stream.get_state()
+        if chunk.num_rows:
+            parts.append(chunk.fields)
+        if chunk.exhausted or not chunk.num_rows:
+            break
+    else:
+        raise AssertionError(f"stream did not end within {max_chunks} chunks")
+    if not parts:
+        return np.zeros((6, 0, stream.config.seq_len), np.int32)
+    return np.concatenate(parts, axis=1)
+
+
+def all_streams(config: Config, plan=None) -> list[np.ndarray]:
+    """Every stream of ``config`` drained, in stream id order."""
+    plan = plan or build_plan(config)
+    return [drain(Stream(config, plan, s), n_rows=4) for s in range(config.num_streams)]
+
+
+def stream_tokens(fields: np.ndarray) -> list[int]:
+    """The token sequence a left-shifted concat stream carries: its non-padding inputs."""
+    inputs = fields[F["inputs"]]
+    seg = fields[F["inputs_segmentation"]]
+    return [int(t) for t in inputs[seg > 0]]
+
+
+def split_documents(tokens: Sequence[int], eos_id: int) -> list[list[int]]:
+    """Cuts a token sequence after every EOS; each piece is one document with its EOS."""
+    docs, cur = [], []
+    for t in tokens:
+        cur.append(int(t))
+        if t == eos_id:
+            docs.append(cur)
+            cur = []
+    assert not cur, f"token sequence ends inside a document: {cur[:10]}..."
+    return docs
+
+
+def segments(fields: np.ndarray, field: str = "inputs") -> list[list[int]]:
+    """The tokens of every segment of every row, read from ``field`` (``inputs`` for a left
+    shift, ``targets`` for a right shift, whose inputs start with EOS)."""
+    out = []
+    for r in range(fields.shape[1]):
+        seg = fields[F["inputs_segmentation"], r]
+        for sid in range(1, int(seg.max(initial=0)) + 1):
+            out.append([int(t) for t in fields[F[field], r][seg == sid]])
+    return out
+
+
+# -- the resume check ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ResumeRun:
+    """The unbroken run an `assert_resumes_identically` call compared against.
+
+    Attributes:
+      outputs: every output, in order.
+      states: ``states[i]`` is the state before ``outputs[i]`` (one more: the final state).
+    """
+
+    outputs: list[np.ndarray]
+    states: list[dict[str, Any]]
+
+
+def _rest(it, next_output, max_steps: int) -> list[np.ndarray]:
+    out = []
+    for _ in range(max_steps):
+        x = next_output(it)
+        if x is None:
+            return out
+        out.append(x)
+    return out
+
+
+def assert_resumes_identically(make_iterator: Callable[[], Any],
+                               next_output: Callable[[Any], np.ndarray | None] = next_row,
+                               *, max_steps: int = 10_000) -> ResumeRun:
+    """Restores at every step and checks the rest equals the unbroken run's rest.
+
+    Runs ``make_iterator()`` to its end (or ``max_steps`` outputs) saving ``get_state()``
+    before each output. Then, for every saved state, restores it (after a JSON round trip) and
+    checks that every remaining output matches. Even steps restore into a fresh iterator, odd
+    steps into one reused iterator that was just moved elsewhere (so stale caches would show).
+
+    Args:
+      make_iterator: builds a fresh iterator with ``get_state()``/``set_state()``.
+      next_output: the next output of an iterator, or None at its end.
+      max_steps: outputs to compare at most (for endless iterators).
+
+    Returns:
+      The unbroken run, for further checks by the caller.
+    """
+    ref = make_iterator()
+    states, outputs = [], []
+    for _ in range(max_steps):
+        state = ref.get_state()
+        assert ref.get_state() == state, "get_state() changed the state"
+        states.append(json.loads(json.dumps(state)))
+        x = next_output(ref)
+        if x is None:
+            break
+        outputs.append(np.array(x, copy=True))
+    else:
+        states.append(json.loads(json.dumps(ref.get_state())))
+    assert outputs, "the iterator produced nothing"
+    reused = make_iterator()
+    for i, state in enumerate(states):
+        if i % 2:
+            # Restore over live caches: move the reused iterator somewhere else first.
+            it = reused
+            it.set_state(json.loads(json.dumps(states[(7 * i + 3) % len(states)])))
+            next_output(it)
+        else:
+            it = make_iterator()
+        it.set_state(json.loads(json.dumps(state)))
+        assert it.get_state() == state, f"state restored at step {i} reads back differently"
+        rest = _rest(it, next_output, max_steps - i)
+        assert len(rest) == len(outputs) - i, (
+            f"restored at step {i}: {len(rest)} outputs follow, unbroken run had "
+            f"{len(outputs) - i}")
+        for j, (got, want) in enumerate(zip(rest, outputs[i:], strict=True)):
+            np.testing.assert_array_equal(
+                got, want, err_msg=f"restored at step {i}: output {i + j} differs")
+    return ResumeRun(outputs=outputs, states=states)
