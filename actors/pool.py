@@ -4,11 +4,18 @@ stream.
 The host holds the object refs, so it owns the chunks: a chunk already produced survives its
 worker. Requests per stream are bounded by ``prefetch``, so object-store memory is bounded by
 ``streams x prefetch x chunk bytes``.
+
+When a worker dies (or a call on it fails unexpectedly), the pool replaces it and reopens each
+of its streams from the ``state_after`` of the last chunk received for that stream; requests
+still in flight are issued again. Streams are deterministic, so no row is lost or repeated.
+A stream that keeps failing at the same position stops the run with an error naming it.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import logging
 import time
 from typing import Any
 
@@ -21,6 +28,8 @@ from ingest.plan import UnitPlan
 from ingest.stream import Chunk
 
 __all__ = ["WorkerPool"]
+
+log = logging.getLogger("ingest.pool")
 
 
 class WorkerPool:
@@ -52,7 +61,13 @@ class WorkerPool:
         self._queues: dict[int, collections.deque] = {s: collections.deque()
                                                       for s in self._stream_ids}
         self._exhausted: set[int] = set()
+        # Where to reopen each stream if its worker dies: (state, rows to skip).
+        self._resume: dict[int, tuple[dict[str, Any] | None, int]] = {}
+        self._failures: dict[int, tuple[Any, int]] = {}  # stream -> (position, count)
+        self._next_name = n
+        self.max_failures = 3
         self.chunks_received = 0
+        self.restarts = 0
         self.wait_s = 0.0
 
     @property
@@ -61,11 +76,10 @@ class WorkerPool:
 
     def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
         """Opens every stream at ``(state, rows to skip)`` (None state: the beginning)."""
+        self._resume.update(states)
         refs = [self._placement[s].open.remote(s, st, skip) for s, (st, skip) in states.items()]
         for out in _get(refs, self._timeout, "opening streams"):
-            if isinstance(out, WorkerError):
-                raise StreamError(str(out), stream_id=out.stream_id,
-                                  worker=out.worker) from out.cause
+            _raise_worker_error(out)
         for s in self._stream_ids:
             self._fill(s)
 
@@ -76,16 +90,23 @@ class WorkerPool:
 
     def next_chunk(self, s: int) -> Chunk:
         """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
-        q = self._queues[s]
-        if not q:
-            self._fill(s)
-        ref = q.popleft()
-        t0 = time.perf_counter()
-        out = _get(ref, self._timeout, f"a chunk of stream {s}")
-        self.wait_s += time.perf_counter() - t0
-        if isinstance(out, WorkerError):
-            raise StreamError(str(out), stream_id=out.stream_id, worker=out.worker) from out.cause
+        while True:
+            q = self._queues[s]
+            if not q:
+                self._fill(s)
+            ref = q.popleft()
+            t0 = time.perf_counter()
+            try:
+                out = _get(ref, self._timeout, f"a chunk of stream {s}")
+                break
+            except _WORKER_LOST as e:
+                self._replace(self._placement[s], s, e)
+            finally:
+                self.wait_s += time.perf_counter() - t0
+        _raise_worker_error(out)
         self.chunks_received += 1
+        self._resume[s] = (out.state_after, 0)
+        self._failures.pop(s, None)
         if out.exhausted:
             self._exhausted.add(s)
             # Requests already queued behind the last chunk return empty chunks; drop them.
@@ -94,10 +115,61 @@ class WorkerPool:
             self._fill(s)
         return out
 
+    def _replace(self, dead, s: int, cause: BaseException) -> None:
+        """Replaces worker ``dead`` (which failed serving stream ``s``) and reopens its streams
+        where the host last received them."""
+        position = json.dumps(self._resume[s][0], sort_keys=True)
+        last, count = self._failures.get(s, (None, 0))
+        count = count + 1 if last == position else 1
+        self._failures[s] = (position, count)
+        if count >= self.max_failures:
+            st = self._resume[s][0] or {}
+            raise StreamError(
+                f"stream {s} failed {count} times at the same position (epoch "
+                f"{st.get('epoch', 0)}, unit {st.get('unit', 0)}, document {st.get('doc', 0)}); "
+                f"last error: {type(cause).__name__}: {cause}", stream_id=s) from cause
+        log.warning("worker for stream %d failed (%s: %s); replacing it and reopening its "
+                    "streams from the last chunk received", s, type(cause).__name__,
+                    str(cause).splitlines()[0] if str(cause) else "")
+        i = next((i for i, w in enumerate(self._workers) if w is dead), None)
+        if i is None:
+            return  # Already replaced while serving another of its streams.
+        try:
+            ray.kill(dead, no_restart=True)
+        except Exception:  # noqa: BLE001 -- it may be gone already
+            pass
+        fresh = StreamWorker.options(runtime_env={"env_vars": WORKER_ENV}).remote(
+            self._config, self._plan_ref, f"w{self._next_name}")
+        self._next_name += 1
+        self._workers[i] = fresh
+        self.restarts += 1
+        moved = [t for t, w in self._placement.items() if w is dead]
+        for t in moved:
+            self._placement[t] = fresh
+            self._queues[t].clear()
+        refs = [fresh.open.remote(t, *self._resume[t]) for t in moved]
+        for out in _get(refs, self._timeout, f"reopening streams {moved} on a new worker"):
+            _raise_worker_error(out)
+        for t in moved:
+            if t not in self._exhausted:
+                self._fill(t)
+
     def close(self) -> None:
         for w in self._workers:
             ray.kill(w, no_restart=True)
         self._workers = []
+
+
+# A lost worker, node or object, or an unexpected failure inside a call: all are retried by
+# reopening the stream on a new worker. Bad input travels as a WorkerError value, not these.
+_WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError,
+                ray.exceptions.RayTaskError)
+
+
+def _raise_worker_error(out) -> None:
+    if isinstance(out, WorkerError):
+        raise StreamError(str(out), stream_id=out.stream_id, worker=out.worker) from out.cause
 
 
 def _get(refs, timeout: float, what: str):

@@ -128,6 +128,7 @@ class HostFeed:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, device_prefetch))
         self._stop = threading.Event()
         self._done = False
+        self._restarts = 0
         # Consumer-side statistics.
         self.steps = 0
         self.tokens = 0
@@ -321,9 +322,9 @@ class HostFeed:
             "wait_max_s": self.wait_max_s,
             "stall_fraction": (self.wait_after_first_s / span) if span > 0 else 0.0,
             "tokens_per_s": (self.tokens / span) if span > 0 else 0.0,
-            "workers": getattr(self._source, "num_workers", self._workers)
-            if self.backend == "ray" else 0,
+            "workers": self._workers if self.backend == "ray" else 0,
             "backend": self.backend,
+            "restarts": getattr(self._source, "restarts", self._restarts),
             "streams": len(self._rows.streams),
             "documents": documents,
             "skipped_documents": skipped,
@@ -339,6 +340,7 @@ class HostFeed:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._source is not None:
+            self._restarts = getattr(self._source, "restarts", 0)
             self._source.close()
             self._source = None
 

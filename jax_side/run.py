@@ -51,7 +51,8 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [
         f"steps {s['steps']}  tokens {s['tokens']:,}  tokens/s {s['tokens_per_s']:,.0f}  "
         f"startup {s['startup_s']:.2f} s  stall {100 * s['stall_fraction']:.1f}%",
-        f"backend {s['backend']}  workers {s['workers']}  streams {s['streams']}  "
+        f"backend {s['backend']}  workers {s['workers']}  restarts {s['restarts']}  "
+        f"streams {s['streams']}  "
         f"padding rows {s['padding_rows']}  padding tokens {s['padding_tokens']:,}",
         f"documents {s['documents']:,}  truncated documents {s['truncated_documents']} "
         f"({s['truncated_tokens']:,} tokens)",
