@@ -9,6 +9,7 @@ script is ``jax_side.run:main``, which parses with ``parse_args`` here and then 
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["build_parser", "parse_args"]
 
@@ -58,3 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+if __name__ == "__main__":
+    sys.exit("this module only parses; run the `ingest` command or `python -m jax_side.run`")

@@ -1,0 +1,327 @@
+"""The ``ingest run`` command, run as a real subprocess against the session's Ray cluster.
+
+Each run reads a YAML config and a small Parquet corpus written under ``tmp_path``, feeds a
+mesh of the 8 forced CPU devices, and prints its summary as JSON on the last stdout line. The
+digests it reports are checked against the same feed run in this process. Every subprocess has
+a deadline: a hang fails the test with the command and whatever it printed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from ingest import BatchDigest, load_config, step_digest
+from jax_side import HostFeed, batch_sharding
+
+TIMEOUT_S = 240  # a healthy run here takes a few seconds; 2 CPUs may be shared with other tests
+STEPS = 5
+
+WORDS = ("the quick brown fox jumps over a lazy dog near old stone bridge under grey sky while "
+         "people walk to market with bread apples cheese fresh fish and children laugh").split()
+
+CONFIG = {
+    "sources": [{"paths": ["corpus"], "text_column": "text"}],  # relative to the YAML file
+    "tokenizer": "gpt2",
+    "seq_len": 32,
+    "global_batch_size": 16,  # divisible by the 8 devices the command puts on its mesh
+    "num_streams": 8,
+    "unit_rows": 10,
+    "chunk_rows": 3,
+    "seed": 3,
+    "num_epochs": 1,
+}
+
+
+# -- running the command ------------------------------------------------------------------
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def entry_point() -> tuple[str, str]:
+    """The ``ingest`` console script's ``(module, function)``, as pyproject.toml declares it
+    (read here, so that a stale script in the venv cannot hide a change)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["ingest"]
+    module, _, function = target.partition(":")
+    return module, function
+
+
+def ingest_command() -> list[str]:
+    """Runs the declared console-script function with this interpreter."""
+    module, function = entry_point()
+    return [sys.executable, "-c",
+            f"import sys; from {module} import {function}; sys.exit({function}())"]
+
+
+def call_main(argv: list[str]) -> int | str | None:
+    """Calls the console-script function in this process; its exit status."""
+    module, function = entry_point()
+    try:
+        return getattr(importlib.import_module(module), function)(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def cli_env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env.update({
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "INGEST_CACHE_DIR": str(cache_dir),
+    })
+    return env
+
+
+def run_cli(args: list[str], *, cache_dir: Path, cwd: Path | None = None
+            ) -> subprocess.CompletedProcess:
+    cmd = ingest_command() + args
+    try:
+        return subprocess.run(cmd, env=cli_env(cache_dir), cwd=cwd, capture_output=True,
+                              text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        def text(x):
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+        pytest.fail(f"`{' '.join(cmd)}` did not finish within {TIMEOUT_S} s (a hang?)\n"
+                    f"stdout tail:\n{text(e.stdout)[-2000:]}\nstderr tail:\n"
+                    f"{text(e.stderr)[-2000:]}")
+
+
+def summary(proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    """The JSON summary on the last stdout line of a successful run."""
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                                  f"stderr:\n{proc.stderr[-3000:]}")
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"no stdout; stderr:\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+# -- fixtures -----------------------------------------------------------------------------
+
+
+def make_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Doc{seed}x{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30)))
+            + "." for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    """A folder holding ``config.yaml`` and its ``corpus/`` of four Parquet files."""
+    root = tmp_path_factory.mktemp("cli_job")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        pq.write_table(pa.table({"text": make_texts(60, 40 + i)}),
+                       str(corpus / f"part-{i:05d}.parquet"), row_group_size=20)
+    (root / "config.yaml").write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ingest_cache")
+
+
+@pytest.fixture(scope="module")
+def in_process(job) -> dict[str, Any]:
+    """The same feed in this process (local backend, 1-D mesh of all devices, like the
+    command): per-step digests and the running digest after ``STEPS`` steps and at the end."""
+    assert len(jax.devices()) == 8
+    cfg = load_config(str(job / "config.yaml"))
+    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+    steps, running, first = [], BatchDigest(), None
+    with HostFeed(cfg, sharding=sharding, backend="local") as feed:
+        for batch in feed:
+            host = {k: np.asarray(v) for k, v in batch.items()}
+            steps.append(step_digest(host))
+            running.update(host)
+            if running.steps == STEPS:
+                first = running.hexdigest()
+        stats = feed.stats()
+    assert len(steps) > STEPS, "the corpus should last longer than the runs' --steps"
+    return {"step_digests": steps, "digest_first": first, "digest_all": running.hexdigest(),
+            "stats": stats}
+
+
+@pytest.fixture(scope="module")
+def cli_run(ray_cluster, job, cache_dir, tmp_path_factory):
+    """``cli_run(backend, workers)``: runs ``ingest run config.yaml --steps STEPS ...`` once per
+    variant (cached) with ``--digest --json --digest-log``; returns (summary, digest log)."""
+    done: dict[tuple[str, int | None], tuple[dict[str, Any], str]] = {}
+    logs = tmp_path_factory.mktemp("digest_logs")
+
+    def run(backend: str, workers: int | None = None) -> tuple[dict[str, Any], str]:
+        key = (backend, workers)
+        if key not in done:
+            log = logs / f"{backend}-{workers}.txt"
+            args = ["run", str(job / "config.yaml"), "--steps", str(STEPS), "--digest",
+                    "--json", "--no-progress", "--backend", backend, "--digest-log", str(log)]
+            if backend == "ray":
+                args += ["--address", ray_cluster, "--workers", str(workers)]
+            s = summary(run_cli(args, cache_dir=cache_dir))
+            done[key] = (s, log.read_text(encoding="utf-8"))
+        return done[key]
+
+    return run
+
+
+VARIANTS = [("ray", 1), ("ray", 2), ("ray", 3), ("local", None)]
+
+
+# -- the summary and the digest -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("backend,workers", [("ray", 2), ("local", None)])
+def test_run_prints_a_json_summary_with_sane_values(cli_run, backend, workers):
+    s, _ = cli_run(backend, workers)
+    for key in ("steps", "tokens", "tokens_per_s", "startup_s", "padding_rows",
+                "stall_fraction", "workers", "backend", "digest"):
+        assert key in s, f"summary lacks {key!r}: {sorted(s)}"
+    assert s["steps"] == STEPS
+    assert 0 < s["tokens"] <= STEPS * CONFIG["global_batch_size"] * CONFIG["seq_len"]
+    assert s["tokens_per_s"] > 0
+    assert math.isfinite(s["startup_s"]) and s["startup_s"] >= 0
+    assert 0 <= s["padding_rows"] <= STEPS * CONFIG["global_batch_size"]
+    assert 0 <= s["stall_fraction"] <= 1
+    assert s["backend"] == backend
+    assert s["workers"] == (workers if backend == "ray" else 0)
+    assert re.fullmatch(r"[0-9a-f]{64}", s["digest"]), s["digest"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_digest_is_the_same_for_any_worker_count_and_the_local_backend(cli_run, in_process):
+    digests = {f"{b}-{w}": cli_run(b, w)[0]["digest"] for b, w in VARIANTS}
+    assert len(set(digests.values())) == 1, digests
+    # ... and it is the digest of the first STEPS batches of the feed run in this process.
+    assert set(digests.values()) == {in_process["digest_first"]}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("backend,workers", [("ray", 3), ("local", None)])
+def test_digest_log_has_one_line_per_step_equal_to_in_process_digests(cli_run, in_process,
+                                                                      backend, workers):
+    _, log = cli_run(backend, workers)
+    lines = log.splitlines()
+    assert len(lines) == STEPS, log
+    for i, line in enumerate(lines):
+        m = re.fullmatch(r"(\d+) ([0-9a-f]{64})", line)
+        assert m, f"line {i + 1} is not 'STEP SHA256': {line!r}"
+        assert int(m.group(1)) == i + 1
+        assert m.group(2) == in_process["step_digests"][i], f"step {i + 1}"
+
+
+@pytest.mark.slow
+def test_run_without_steps_feeds_to_the_end_of_the_data(job, cache_dir, in_process):
+    s = summary(run_cli(["run", str(job / "config.yaml"), "--digest", "--json", "--no-progress",
+                         "--backend", "local"], cache_dir=cache_dir))
+    assert s["steps"] == len(in_process["step_digests"])
+    assert s["digest"] == in_process["digest_all"]
+    assert s["padding_rows"] == in_process["stats"]["padding_rows"] > 0
+    assert s["tokens"] == in_process["stats"]["tokens"]
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bad_config_prints_every_problem_and_exits_non_zero(tmp_path, job, cache_dir):
+    bad = dict(CONFIG, sources=[{"paths": [str(job / "corpus")]}], chunk_rows=0,
+               packing="zigzag", global_batch_size=12, num_streams=8, colour="blue")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad), encoding="utf-8")
+    proc = run_cli(["run", str(path), "--json", "--no-progress", "--backend", "local"],
+                   cache_dir=cache_dir)
+    assert proc.returncode != 0, proc.stdout
+    err = proc.stderr
+    for needle in ("chunk_rows=0", "packing='zigzag'", "'colour'",
+                   "global_batch_size=12 is not divisible by num_streams=8",
+                   "[1, 2, 3, 4, 6, 12]"):
+        assert needle in err, f"{needle!r} missing from stderr:\n{err[-3000:]}"
+    assert str(path) in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["config file", "source path"])
+def test_missing_file_exits_non_zero_naming_the_path(tmp_path, cache_dir, what):
+    missing = tmp_path / "nowhere" / "data.parquet"
+    if what == "config file":
+        target = tmp_path / "no-such-config.yaml"
+        config = target
+    else:
+        target = missing
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump(dict(CONFIG, sources=[{"paths": [str(missing)]}])),
+                          encoding="utf-8")
+    proc = run_cli(["run", str(config), "--json", "--no-progress", "--backend", "local"],
+                   cache_dir=cache_dir)
+    assert proc.returncode != 0, proc.stdout
+    assert str(target) in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not proc.stdout.strip().startswith("{"), "a failed run printed a summary"
+
+
+@pytest.mark.slow
+def test_batch_not_divisible_by_the_local_devices_is_refused(tmp_path, job, cache_dir):
+    path = tmp_path / "b12.yaml"
+    path.write_text(yaml.safe_dump(dict(CONFIG, sources=[{"paths": [str(job / "corpus")]}],
+                                        global_batch_size=12, num_streams=4)),
+                    encoding="utf-8")
+    proc = run_cli(["run", str(path), "--json", "--no-progress", "--backend", "local"],
+                   cache_dir=cache_dir)
+    assert proc.returncode != 0
+    assert "global_batch_size=12" in proc.stderr, proc.stderr[-3000:]
+    assert "8" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--steps", "0"], "--steps=0"),
+    (["run", "--workers", "-1"], "--workers=-1"),
+    (["run", "--checkpoint-every", "2"], "--checkpoint-dir"),
+    (["run", "--resume"], "--checkpoint-dir"),
+])
+def test_invalid_flags_are_refused_before_anything_runs(capsys, argv, needle):
+    assert call_main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+# -- the demo -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_runs_without_a_config(tmp_path):
+    cache = tmp_path / "cache"
+    s = summary(run_cli(["run", "--steps", "3", "--json", "--no-progress", "--backend", "local"],
+                        cache_dir=cache, cwd=tmp_path))
+    assert s["steps"] == 3
+    assert s["backend"] == "local"
+    assert s["tokens"] > 0
+    # The demo corpus was written under INGEST_CACHE_DIR, and finished.
+    written = list(cache.glob("demo-stdlib-*/_SUCCESS"))
+    assert len(written) == 1, sorted(p.name for p in cache.iterdir())
+    assert list(written[0].parent.glob("part-*.parquet"))
