@@ -66,7 +66,7 @@ def demo_config(**overrides) -> Config:
     """The demo job: GPT-2 BPE, rows of 1024 tokens, batches of 32, one epoch."""
     fields = dict(sources=(SourceConfig(paths=(write_demo_corpus(),), text_column="text"),),
                   tokenizer="gpt2", seq_len=1024, global_batch_size=32, num_streams=16,
-                  packing="concat", num_epochs=1, unit_rows=8, chunk_rows=8, prefetch=2,
+                  packing="concat", num_epochs=1, unit_rows=8, chunk_rows=32, prefetch=2,
                   workers=max(1, os.cpu_count() or 1))
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return Config(**fields)

@@ -322,7 +322,8 @@ class HostFeed:
             "wait_max_s": self.wait_max_s,
             "stall_fraction": (self.wait_after_first_s / span) if span > 0 else 0.0,
             "tokens_per_s": (self.tokens / span) if span > 0 else 0.0,
-            "workers": self._workers if self.backend == "ray" else 0,
+            # The pool starts at most one worker per owned stream.
+            "workers": min(self._workers, len(self._rows.streams)) if self.backend == "ray" else 0,
             "backend": self.backend,
             "restarts": getattr(self._source, "restarts", self._restarts),
             "streams": len(self._rows.streams),
