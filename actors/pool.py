@@ -66,8 +66,10 @@ class WorkerPool:
         self._failures: dict[int, tuple[Any, int]] = {}  # stream -> (position, count)
         self._next_name = n
         self.max_failures = 3
+        self._target_workers: int | None = None
         self.chunks_received = 0
         self.restarts = 0
+        self.resizes = 0
         self.wait_s = 0.0
 
     @property
@@ -88,8 +90,69 @@ class WorkerPool:
         while len(q) < self._config.prefetch and s not in self._exhausted:
             q.append(self._placement[s].produce.remote(s, self._config.chunk_rows))
 
+    def request_resize(self, n: int) -> None:
+        """Asks for ``n`` workers; applied by the thread that calls ``next_chunk``, at its next
+        call, so it is safe to call from any thread."""
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"resize to {n!r} workers: give a positive integer")
+        self._target_workers = n
+
+    def _apply_resize(self) -> None:
+        n = min(self._target_workers, len(self._stream_ids))
+        self._target_workers = None
+        if n == len(self._workers):
+            return
+        load = {id(w): [] for w in self._workers}
+        for t, w in self._placement.items():
+            load[id(w)].append(t)
+        moved: list[tuple[int, Any]] = []
+        drop: list = []
+        if n > len(self._workers):
+            new = [self._spawn() for _ in range(n - len(self._workers))]
+            self._workers += new
+            for w in new:
+                load[id(w)] = []
+            # Take streams from the busiest workers until loads differ by at most one.
+            while True:
+                busiest = max(self._workers, key=lambda w: len(load[id(w)]))
+                idlest = min(self._workers, key=lambda w: len(load[id(w)]))
+                if len(load[id(busiest)]) - len(load[id(idlest)]) <= 1:
+                    break
+                t = load[id(busiest)].pop()
+                load[id(idlest)].append(t)
+                moved.append((t, idlest))
+        else:
+            keep, drop = self._workers[:n], self._workers[n:]
+            for w in drop:
+                for t in load[id(w)]:
+                    idlest = min(keep, key=lambda k: len(load[id(k)]))
+                    load[id(idlest)].append(t)
+                    moved.append((t, idlest))
+            self._workers = keep
+        log.info("resizing the pool to %d workers: moving streams %s", n, [t for t, _ in moved])
+        for t, w in moved:
+            self._placement[t] = w
+            self._queues[t].clear()
+        refs = [w.open.remote(t, *self._resume[t]) for t, w in moved]
+        for out in _get(refs, self._timeout, f"reopening streams {[t for t, _ in moved]}"):
+            _raise_worker_error(out)
+        for w in drop:
+            ray.kill(w, no_restart=True)
+        for t, _ in moved:
+            if t not in self._exhausted:
+                self._fill(t)
+        self.resizes += 1
+
+    def _spawn(self):
+        w = StreamWorker.options(runtime_env={"env_vars": WORKER_ENV}).remote(
+            self._config, self._plan_ref, f"w{self._next_name}")
+        self._next_name += 1
+        return w
+
     def next_chunk(self, s: int) -> Chunk:
         """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
+        if self._target_workers is not None:
+            self._apply_resize()
         while True:
             q = self._queues[s]
             if not q:
@@ -138,9 +201,7 @@ class WorkerPool:
             ray.kill(dead, no_restart=True)
         except Exception:  # noqa: BLE001 -- it may be gone already
             pass
-        fresh = StreamWorker.options(runtime_env={"env_vars": WORKER_ENV}).remote(
-            self._config, self._plan_ref, f"w{self._next_name}")
-        self._next_name += 1
+        fresh = self._spawn()
         self._workers[i] = fresh
         self.restarts += 1
         moved = [t for t, w in self._placement.items() if w is dead]

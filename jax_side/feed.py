@@ -296,6 +296,17 @@ class HostFeed:
         self._state = item.state
         return item.arrays
 
+    def resize(self, workers: int) -> None:
+        """Changes the number of Ray workers while iterating; streams move between workers
+        without loss, and the batches do not change. Takes effect at the next chunk request."""
+        if self.backend != "ray":
+            raise ValueError("resize needs backend='ray'; the local backend has no workers")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0:
+            raise ValueError(f"resize(workers={workers!r}): give a positive integer")
+        self._workers = workers
+        if self._source is not None:
+            self._source.request_resize(workers)
+
     def stats(self) -> dict[str, Any]:
         """Consumer-side statistics and the streams' counters (skips, truncations)."""
         span = ((self.last_batch_time or 0) - (self.first_batch_time or 0))

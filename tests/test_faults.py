@@ -69,3 +69,27 @@ def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, c
     assert got == expected
     assert len(killed) >= 3
     assert restarts >= len(killed) - 1  # a kill may land while its worker idles at the end
+
+
+def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus):
+    cfg = _config(corpus, num_epochs=1)
+    with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
+        expected = _digests(feed)
+    sizes = {2: 3, 6: 1, 10: 4, 14: 2}
+
+    def resize(step, feed):
+        if step in sizes:
+            feed.resize(sizes[step])
+
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
+        got = _digests(feed, resize)
+        pool = feed._source
+        assert pool.resizes == len(sizes)
+        assert pool.num_workers == 2
+    assert got == expected
+
+
+def test_resize_is_refused_for_the_local_backend(corpus):
+    with HostFeed(_config(corpus), sharding=_sharding(), backend="local") as feed:
+        with pytest.raises(ValueError, match="backend='ray'"):
+            feed.resize(2)
