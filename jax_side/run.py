@@ -121,7 +121,7 @@ def run_command(args) -> int:
         total = (args.steps - start_step) if args.steps else None
         bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True,
                    desc="ingest run", disable=None)
-    step = start_step
+    step = saved = start_step
     first_batch_at = None
     try:
         if args.steps is not None and step >= args.steps:
@@ -141,12 +141,18 @@ def run_command(args) -> int:
                     digest_log.flush()
             if manager is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint.save_feed(manager, step, feed.get_state())
+                saved = step
             if bar is not None:
                 bar.update(1)
                 if step % 10 == 0:
-                    bar.set_postfix_str(f"{feed.tokens / max(1e-9, time.perf_counter() - (feed.first_batch_time or time.perf_counter())):,.0f} tok/s", refresh=False)
+                    span = time.perf_counter() - (feed.first_batch_time or time.perf_counter())
+                    bar.set_postfix_str(f"{feed.tokens / max(1e-9, span):,.0f} tok/s",
+                                        refresh=False)
             if args.steps is not None and step >= args.steps:
                 break
+        # The end of a run is a checkpoint too, so a finished run resumes where it stopped.
+        if manager is not None and step > saved:
+            checkpoint.save_feed(manager, step, feed.get_state())
     finally:
         if bar is not None:
             bar.close()
