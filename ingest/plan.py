@@ -8,9 +8,16 @@ to streams so that streams get similar byte counts::
     row groups   f0:[0..600) f0:[600..900)  f1:[0..500)
     units        u0 [0,256) u1 [256,512) u2 [512,600)  u3 [600,900)  u4 [0,250) u5 [250,500)
                  (unit_rows=256: a row group of n rows splits into ceil(n/256) near-equal parts)
-    epoch e      permute -> u3 u0 u5 u2 u4 u1
-    deal S=2     next unit goes to the stream with the fewest bytes so far (ties: lowest id)
-                 s0: u3 u2 u1 ...   s1: u0 u5 u4 ...
+    epoch e      permute with key (seed, epoch)       -> u3 u0 u5 u2 u4 u1
+                 stable-sort by size class, largest first (classes are powers of 2 of bytes)
+    deal S=2     each unit goes to the stream with the fewest bytes so far (ties: lowest id)
+    read order   each stream's units, permuted with key (seed, epoch, stream)
+                 s0: u2 u3 u1 ...   s1: u5 u0 u4 ...
+
+Dealing large units first bounds the byte imbalance between streams by about the smallest
+units' size (streams of a finite epoch that end early are padded, so balance is less padding);
+the random order inside each size class and the final shuffle keep every epoch's assignment
+and reading order random. With ``shuffle: false`` units are dealt in file order, unsorted.
 """
 
 from __future__ import annotations
@@ -143,12 +150,22 @@ def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
                shuffle: bool) -> list[list[int]]:
     """The unit indices each stream reads in ``epoch``, in reading order."""
     n = len(plan.units)
-    order = philox(seed, epoch, 0x0D3A1).permutation(n) if shuffle else np.arange(n)
     nbytes = np.fromiter((u.nbytes for u in plan.units), dtype=np.int64, count=n)
+    if shuffle:
+        order = philox(seed, epoch, 0x0D3A1).permutation(n)
+        size_class = np.floor(np.log2(np.maximum(nbytes[order], 1))).astype(np.int64)
+        order = order[np.argsort(-size_class, kind="stable")]
+    else:
+        order = np.arange(n)
     heap = [(0, s) for s in range(num_streams)]
     dealt: list[list[int]] = [[] for _ in range(num_streams)]
     for u in order.tolist():
         load, s = heapq.heappop(heap)
         dealt[s].append(u)
         heapq.heappush(heap, (load + int(nbytes[u]), s))
+    if shuffle:
+        # Sorted first, so a stream's reading order depends only on the units it holds, not
+        # on the byte estimates that ordered the deal.
+        dealt = [[units[i] for i in philox(seed, epoch, 0x0D3A2, s).permutation(len(units))]
+                 for s, units in enumerate(sorted(d) for d in dealt)]
     return dealt
