@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from actors.worker import WORKER_ENV, StreamWorker, WorkerError
+from actors.worker import StreamWorker, WorkerError
 from ingest.config import Config
 from ingest.errors import StreamError
 from ingest.plan import UnitPlan
@@ -55,8 +55,8 @@ class WorkerPool:
         self._plan_ref = ray.put(plan)
         n = min(num_workers, len(self._stream_ids))
         self._workers = [
-            StreamWorker.options(runtime_env={"env_vars": WORKER_ENV}).remote(
-                config, self._plan_ref, f"w{i}") for i in range(n)]
+            StreamWorker.remote(config, self._plan_ref, f"w{i}")
+                         for i in range(n)]
         self._placement = {s: self._workers[i % n] for i, s in enumerate(self._stream_ids)}
         self._queues: dict[int, collections.deque] = {s: collections.deque()
                                                       for s in self._stream_ids}
@@ -82,12 +82,15 @@ class WorkerPool:
         refs = [self._placement[s].open.remote(s, st, skip) for s, (st, skip) in states.items()]
         for out in _get(refs, self._timeout, "opening streams"):
             _raise_worker_error(out)
-        for s in self._stream_ids:
-            self._fill(s)
+        # Every stream's first request before any second one: workers serve requests in order,
+        # and the first step needs a chunk of every stream.
+        for depth in range(1, self._config.prefetch + 1):
+            for s in self._stream_ids:
+                self._fill(s, depth)
 
-    def _fill(self, s: int) -> None:
+    def _fill(self, s: int, depth: int | None = None) -> None:
         q = self._queues[s]
-        while len(q) < self._config.prefetch and s not in self._exhausted:
+        while len(q) < (depth or self._config.prefetch) and s not in self._exhausted:
             q.append(self._placement[s].produce.remote(s, self._config.chunk_rows))
 
     def request_resize(self, n: int) -> None:
@@ -144,8 +147,7 @@ class WorkerPool:
         self.resizes += 1
 
     def _spawn(self):
-        w = StreamWorker.options(runtime_env={"env_vars": WORKER_ENV}).remote(
-            self._config, self._plan_ref, f"w{self._next_name}")
+        w = StreamWorker.remote(self._config, self._plan_ref, f"w{self._next_name}")
         self._next_name += 1
         return w
 
