@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
+import signal
 import time
 from typing import Any
 
@@ -54,9 +56,9 @@ class WorkerPool:
         self._timeout = get_timeout_s
         self._plan_ref = ray.put(plan)
         n = min(num_workers, len(self._stream_ids))
-        self._workers = [
-            StreamWorker.remote(config, self._plan_ref, f"w{i}")
-                         for i in range(n)]
+        self._where: dict[int, ray.ObjectRef] = {}
+        self._next_name = 0
+        self._workers = [self._spawn() for _ in range(n)]
         self._placement = {s: self._workers[i % n] for i, s in enumerate(self._stream_ids)}
         self._queues: dict[int, collections.deque] = {s: collections.deque()
                                                       for s in self._stream_ids}
@@ -64,8 +66,9 @@ class WorkerPool:
         # Where to reopen each stream if its worker dies: (state, rows to skip).
         self._resume: dict[int, tuple[dict[str, Any] | None, int]] = {}
         self._failures: dict[int, tuple[Any, int]] = {}  # stream -> (position, count)
-        self._next_name = n
-        self.max_failures = 3
+        # Failures of one stream in a row with no chunk delivered between them: preemptions can
+        # come back to back, a poison document fails every time.
+        self.max_failures = 5
         self._target_workers: int | None = None
         self.chunks_received = 0
         self.restarts = 0
@@ -149,7 +152,29 @@ class WorkerPool:
     def _spawn(self):
         w = StreamWorker.remote(self._config, self._plan_ref, f"w{self._next_name}")
         self._next_name += 1
+        # Asked first, so it is answered before any chunk request queues behind it.
+        self._where[id(w)] = w.where.remote()
         return w
+
+    def kill_random_worker(self, rng) -> str | None:
+        """Fault injection: SIGKILLs a random worker's process (``ray.kill`` when it runs on
+        another node). Safe from any thread; the pool notices the death like any other."""
+        workers = list(self._workers)
+        if not workers:
+            return None
+        w = workers[int(rng.integers(len(workers)))]
+        try:
+            pid, node = ray.get(self._where[id(w)], timeout=30)
+        except (KeyError, ray.exceptions.RayError, TimeoutError):
+            return None
+        if node == ray.get_runtime_context().get_node_id():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+        else:
+            ray.kill(w, no_restart=True)
+        return f"pid {pid}"
 
     def next_chunk(self, s: int) -> Chunk:
         """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
@@ -182,7 +207,42 @@ class WorkerPool:
 
     def _replace(self, dead, s: int, cause: BaseException) -> None:
         """Replaces worker ``dead`` (which failed serving stream ``s``) and reopens its streams
-        where the host last received them."""
+        where the host last received them. A replacement that dies too is replaced again,
+        within the same budget of failures without progress."""
+        while True:
+            self._count_failure(s, cause)
+            log.warning("worker for stream %d failed (%s: %s); replacing it and reopening its "
+                        "streams from the last chunk received", s, type(cause).__name__,
+                        str(cause).splitlines()[0] if str(cause) else "")
+            i = next((i for i, w in enumerate(self._workers) if w is dead), None)
+            if i is None:
+                return  # Already replaced while serving another of its streams.
+            try:
+                ray.kill(dead, no_restart=True)
+            except Exception:  # noqa: BLE001 -- it may be gone already
+                pass
+            fresh = self._spawn()
+            self._workers[i] = fresh
+            self.restarts += 1
+            moved = [t for t, w in self._placement.items() if w is dead]
+            for t in moved:
+                self._placement[t] = fresh
+                self._queues[t].clear()
+            refs = [fresh.open.remote(t, *self._resume[t]) for t in moved]
+            try:
+                outs = _get(refs, self._timeout, f"reopening streams {moved} on a new worker")
+            except _WORKER_LOST as e:
+                dead, cause = fresh, e
+                continue
+            for out in outs:
+                _raise_worker_error(out)
+            for t in moved:
+                if t not in self._exhausted:
+                    self._fill(t)
+            return
+
+    def _count_failure(self, s: int, cause: BaseException) -> None:
+        """Counts failures of stream ``s`` at its current position; too many stop the run."""
         position = json.dumps(self._resume[s][0], sort_keys=True)
         last, count = self._failures.get(s, (None, 0))
         count = count + 1 if last == position else 1
@@ -191,31 +251,9 @@ class WorkerPool:
             st = self._resume[s][0] or {}
             raise StreamError(
                 f"stream {s} failed {count} times at the same position (epoch "
-                f"{st.get('epoch', 0)}, unit {st.get('unit', 0)}, document {st.get('doc', 0)}); "
-                f"last error: {type(cause).__name__}: {cause}", stream_id=s) from cause
-        log.warning("worker for stream %d failed (%s: %s); replacing it and reopening its "
-                    "streams from the last chunk received", s, type(cause).__name__,
-                    str(cause).splitlines()[0] if str(cause) else "")
-        i = next((i for i, w in enumerate(self._workers) if w is dead), None)
-        if i is None:
-            return  # Already replaced while serving another of its streams.
-        try:
-            ray.kill(dead, no_restart=True)
-        except Exception:  # noqa: BLE001 -- it may be gone already
-            pass
-        fresh = self._spawn()
-        self._workers[i] = fresh
-        self.restarts += 1
-        moved = [t for t, w in self._placement.items() if w is dead]
-        for t in moved:
-            self._placement[t] = fresh
-            self._queues[t].clear()
-        refs = [fresh.open.remote(t, *self._resume[t]) for t in moved]
-        for out in _get(refs, self._timeout, f"reopening streams {moved} on a new worker"):
-            _raise_worker_error(out)
-        for t in moved:
-            if t not in self._exhausted:
-                self._fill(t)
+                f"{st.get('epoch', 0)}, unit {st.get('unit', 0)}, document {st.get('doc', 0)}) "
+                f"without delivering a chunk; last error: {type(cause).__name__}: {cause}",
+                stream_id=s) from cause
 
     def close(self) -> None:
         for w in self._workers:

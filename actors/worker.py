@@ -62,6 +62,10 @@ class StreamWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def where(self) -> tuple[int, str]:
+        """(process id, Ray node id): lets the host kill this process for fault injection."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
     def open(self, stream_id: int, state: dict[str, Any] | None,
              skip_rows: int = 0) -> int | WorkerError:
         """Opens (or reopens) a stream at ``state``, then drops ``skip_rows`` rows."""

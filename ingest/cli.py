@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every K steps (needs --checkpoint-dir)")
     r.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
+    r.add_argument("--step-time", type=float, default=0.0, metavar="SECONDS",
+                   help="simulate a training step of this many seconds after each batch")
+    r.add_argument("--kill-worker-every", type=float, metavar="SECONDS",
+                   help="fault injection: SIGKILL a random Ray worker this often (the batches "
+                        "must not change)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -54,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--workers={args.workers} must be positive")
     if args.checkpoint_every is not None and (args.checkpoint_every <= 0 or not args.checkpoint_dir):
         problems.append("--checkpoint-every K needs K > 0 and --checkpoint-dir DIR")
+    if args.step_time < 0:
+        problems.append(f"--step-time={args.step_time} must be >= 0")
+    if args.kill_worker_every is not None and (args.kill_worker_every <= 0
+                                               or args.backend != "ray"):
+        problems.append("--kill-worker-every SECONDS needs SECONDS > 0 and --backend ray")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir DIR")
     if problems:

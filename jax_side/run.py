@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -78,6 +79,33 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+class _WorkerKiller:
+    """Fault injection for ``--kill-worker-every``: SIGKILLs a random worker on a timer."""
+
+    def __init__(self, feed, every_s: float, seed: int = 0):
+        self.killed = 0
+        self._feed = feed
+        self._every = every_s
+        self._rng = np.random.default_rng(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="WorkerKiller", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every):
+            pool = self._feed._source
+            if pool is None or not hasattr(pool, "kill_random_worker"):
+                continue
+            what = pool.kill_random_worker(self._rng)
+            if what:
+                self.killed += 1
+                log.warning("fault injection: killed worker %s", what)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def run_command(args) -> int:
     t_start = _process_start_time()
     import jax
@@ -123,6 +151,7 @@ def run_command(args) -> int:
                    desc="ingest run", disable=None)
     step = saved = start_step
     first_batch_at = None
+    killer = _WorkerKiller(feed, args.kill_worker_every) if args.kill_worker_every else None
     try:
         if args.steps is not None and step >= args.steps:
             batches = iter(())
@@ -148,12 +177,16 @@ def run_command(args) -> int:
                     span = time.perf_counter() - (feed.first_batch_time or time.perf_counter())
                     bar.set_postfix_str(f"{feed.tokens / max(1e-9, span):,.0f} tok/s",
                                         refresh=False)
+            if args.step_time:
+                time.sleep(args.step_time)  # the simulated training step
             if args.steps is not None and step >= args.steps:
                 break
         # The end of a run is a checkpoint too, so a finished run resumes where it stopped.
         if manager is not None and step > saved:
             checkpoint.save_feed(manager, step, feed.get_state())
     finally:
+        if killer is not None:
+            killer.stop()
         if bar is not None:
             bar.close()
         if digest_log is not None:
@@ -162,7 +195,15 @@ def run_command(args) -> int:
             manager.wait_until_finished()
         stats = feed.stats()
         feed.close()
+        if args.backend == "ray":
+            import ray
+
+            # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
+            # first, so that with --json the summary really is the last line.
+            ray.shutdown()
     stats["startup_s"] = (first_batch_at - t_start) if first_batch_at else float("nan")
+    if killer is not None:
+        stats["workers_killed"] = killer.killed
     stats["first_step"] = start_step
     stats["last_step"] = step
     if digest is not None:
