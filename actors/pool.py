@@ -188,11 +188,15 @@ class WorkerPool:
             t0 = time.perf_counter()
             try:
                 out = _get(ref, self._timeout, f"a chunk of stream {s}")
-                break
             except _WORKER_LOST as e:
                 self._replace(self._placement[s], s, e)
+                continue
             finally:
                 self.wait_s += time.perf_counter() - t0
+            if isinstance(out, WorkerError) and out.retryable:
+                self._replace(self._placement[s], s, out)
+                continue
+            break
         _raise_worker_error(out)
         self.chunks_received += 1
         self._resume[s] = (out.state_after, 0)
@@ -254,6 +258,11 @@ class WorkerPool:
                 f"{st.get('epoch', 0)}, unit {st.get('unit', 0)}, document {st.get('doc', 0)}) "
                 f"without delivering a chunk; last error: {type(cause).__name__}: {cause}",
                 stream_id=s) from cause
+
+    def inject_error(self, s: int, at_row: int) -> None:
+        """Fault injection for tests: stream ``s``'s worker fails partway through the chunk that
+        would emit row ``at_row`` (once). Pick a row past the requests already in flight."""
+        self._placement[s].inject_error.remote(s, at_row)
 
     def close(self) -> None:
         for w in self._workers:

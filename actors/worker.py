@@ -32,20 +32,28 @@ WORKER_ENV = {
 
 
 class WorkerError(RuntimeError):
-    """An error raised inside a worker, travelling as a value with its worker and stream."""
+    """An error raised inside a worker, travelling as a value with its worker and stream.
 
-    def __init__(self, message: str, *, stream_id: int, worker: str, cause: BaseException):
+    ``retryable`` is False for bad input (deterministic: it fails again at the same place) and
+    True for everything else, which the pool retries on a fresh worker.
+    """
+
+    def __init__(self, message: str, *, stream_id: int, worker: str, cause: BaseException,
+                 retryable: bool = False):
         super().__init__(message)
         self.stream_id = stream_id
         self.worker = worker
         self.cause = cause
+        self.retryable = retryable
 
     def __reduce__(self):
-        return (_rebuild_worker_error, (str(self), self.stream_id, self.worker, self.cause))
+        return (_rebuild_worker_error,
+                (str(self), self.stream_id, self.worker, self.cause, self.retryable))
 
 
-def _rebuild_worker_error(message, stream_id, worker, cause):
-    return WorkerError(message, stream_id=stream_id, worker=worker, cause=cause)
+def _rebuild_worker_error(message, stream_id, worker, cause, retryable=False):
+    return WorkerError(message, stream_id=stream_id, worker=worker, cause=cause,
+                       retryable=retryable)
 
 
 @ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)
@@ -58,6 +66,7 @@ class StreamWorker:
         self._plan = plan
         self._name = name
         self._streams: dict[int, Stream] = {}
+        self._fault: tuple[int, int] | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -91,12 +100,34 @@ class StreamWorker:
             return WorkerError(f"stream {stream_id} is not open on worker {self._name}; this is "
                                f"a bug in actors.pool", stream_id=stream_id, worker=self._name,
                                cause=KeyError(stream_id))
+        if self._fault is not None and self._fault[0] == stream_id:
+            done = s.get_state()["rows_emitted"]
+            at = self._fault[1]
+            if done < at <= done + n_rows:
+                # Fault injection: advance the stream part of the way, then fail mid-chunk.
+                self._fault = None
+                if at - done > 1:
+                    s.produce(at - done - 1)
+                raise RuntimeError(f"injected error in worker {self._name}, stream {stream_id}, "
+                                   f"at row {at}")
         return self._call(stream_id, s.produce, n_rows)
+
+    def inject_error(self, stream_id: int, at_row: int) -> None:
+        """Fault injection for tests: the produce call of ``stream_id`` that would emit row
+        ``at_row`` raises partway through its chunk, once (this worker only)."""
+        self._fault = (stream_id, at_row)
 
     def _call(self, stream_id: int, fn, *args):
         try:
             return fn(*args)
-        except (BadInputError, StreamError, ValueError, OSError) as e:
+        except BadInputError as e:
             # Errors travel as values so the host re-raises them with worker and stream named.
+            return WorkerError(f"worker {self._name}, stream {stream_id}: {e}",
+                               stream_id=stream_id, worker=self._name, cause=e)
+        except (StreamError, OSError) as e:
+            # Unexpected failures (a bug, a flaky filesystem) may pass on a fresh worker.
+            return WorkerError(f"worker {self._name}, stream {stream_id}: {e}",
+                               stream_id=stream_id, worker=self._name, cause=e, retryable=True)
+        except ValueError as e:
             return WorkerError(f"worker {self._name}, stream {stream_id}: {e}",
                                stream_id=stream_id, worker=self._name, cause=e)

@@ -93,3 +93,24 @@ def test_resize_is_refused_for_the_local_backend(corpus):
     with HostFeed(_config(corpus), sharding=_sharding(), backend="local") as feed:
         with pytest.raises(ValueError, match="backend='ray'"):
             feed.resize(2)
+
+
+def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(ray_cluster,
+                                                                               corpus):
+    cfg = _config(corpus, num_epochs=1)
+    with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
+        expected = _digests(feed)
+    k = cfg.rows_per_stream
+
+    def inject(step, feed):
+        if step == 1:
+            # Far enough ahead that no request for that row is in flight yet; odd, so the
+            # failure lands mid-chunk (chunk_rows=2).
+            at = (step + 1) * k + (cfg.prefetch + 3) * cfg.chunk_rows + 1
+            feed._source.inject_error(5, at)
+
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
+        got = _digests(feed, inject)
+        restarts = feed._source.restarts
+    assert got == expected
+    assert restarts == 1
