@@ -53,6 +53,10 @@ class WorkerPool:
             raise RuntimeError("Ray is not initialized: call ray.init() (or use backend='local')")
         self._config = config
         self._stream_ids = list(stream_ids)
+        # Requests in flight per stream, lowered to fit object_store_budget_mb.
+        self._depth = config.requests_in_flight(len(self._stream_ids))
+        self.bytes_bound = len(self._stream_ids) * (self._depth + 1) * config.chunk_bytes
+        self.bytes_peak = 0
         self._timeout = get_timeout_s
         self._plan_ref = ray.put(plan)
         n = min(num_workers, len(self._stream_ids))
@@ -87,13 +91,13 @@ class WorkerPool:
             _raise_worker_error(out)
         # Every stream's first request before any second one: workers serve requests in order,
         # and the first step needs a chunk of every stream.
-        for depth in range(1, self._config.prefetch + 1):
+        for depth in range(1, self._depth + 1):
             for s in self._stream_ids:
                 self._fill(s, depth)
 
     def _fill(self, s: int, depth: int | None = None) -> None:
         q = self._queues[s]
-        while len(q) < (depth or self._config.prefetch) and s not in self._exhausted:
+        while len(q) < (depth or self._depth) and s not in self._exhausted:
             q.append(self._placement[s].produce.remote(s, self._config.chunk_rows))
 
     def request_resize(self, n: int) -> None:
@@ -207,6 +211,10 @@ class WorkerPool:
             q.clear()
         else:
             self._fill(s)
+        # An upper bound on what the host holds: every request queued, plus at most one chunk
+        # per stream in its hands (the feed drops a chunk before asking for the next).
+        held = sum(len(q) for q in self._queues.values()) + len(self._stream_ids)
+        self.bytes_peak = max(self.bytes_peak, held * self._config.chunk_bytes)
         return out
 
     def _replace(self, dead, s: int, cause: BaseException) -> None:

@@ -25,7 +25,7 @@ FORMATS = ("parquet", "arrow", "jsonl")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 
 # Fields that may differ between a checkpoint and the config it is restored into.
-RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch"})
+RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch", "object_store_budget_mb"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +93,9 @@ class Config:
       workers: Ray worker actors (one CPU each). Runtime only.
       chunk_rows: rows per actor call. Runtime only.
       prefetch: chunk requests in flight per stream. Runtime only.
+      object_store_budget_mb: the most object-store memory a host's chunks may hold (requests in
+        flight plus the chunk being read, per owned stream); lowers the requests in flight to
+        fit. Null: ``prefetch`` alone bounds it. Runtime only.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -114,6 +117,7 @@ class Config:
     workers: int = 2
     chunk_rows: int = 16
     prefetch: int = 2
+    object_store_budget_mb: float | None = None
 
     def __post_init__(self):
         problems = []
@@ -168,11 +172,39 @@ class Config:
         for name in ("predict_across_documents", "shuffle"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        b = self.object_store_budget_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or b <= 0):
+            problems.append(f"object_store_budget_mb={b!r} must be a number > 0 or null")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             problems.append(f"seed={self.seed!r} must be an integer >= 0")
         if problems:
             raise ConfigError(problems)
         object.__setattr__(self, "sources", tuple(self.sources))
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Object-store bytes of one chunk: six int32 fields of ``chunk_rows x seq_len``."""
+        return 6 * 4 * self.chunk_rows * self.seq_len
+
+    def requests_in_flight(self, owned_streams: int) -> int:
+        """Chunk requests each stream may have in flight under ``object_store_budget_mb``.
+
+        Raises:
+          ValueError: the budget holds less than two chunks per owned stream.
+        """
+        if self.object_store_budget_mb is None:
+            return self.prefetch
+        budget = self.object_store_budget_mb * 2**20
+        # One chunk per stream is being read by the host; the rest of the budget is in flight.
+        depth = int(budget // (owned_streams * self.chunk_bytes)) - 1
+        if depth < 1:
+            need = 2 * owned_streams * self.chunk_bytes / 2**20
+            raise ValueError(
+                f"object_store_budget_mb={self.object_store_budget_mb} is below the "
+                f"{need:.1f} MB that {owned_streams} streams need (one chunk being read and one "
+                f"in flight each, chunk_rows={self.chunk_rows} x seq_len={self.seq_len} x 6 "
+                f"fields x 4 bytes); raise it or lower chunk_rows")
+        return min(self.prefetch, depth)
 
     @property
     def rows_per_stream(self) -> int:

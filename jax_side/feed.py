@@ -85,6 +85,7 @@ class _Step:
 
 
 _END = object()
+_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak")
 
 
 class HostFeed:
@@ -114,6 +115,7 @@ class HostFeed:
         self.backend = backend
         self._rows = host_rows(sharding, config.global_batch_size, config.seq_len,
                                config.num_streams)
+        config.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
         # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
         load_tokenizer(config.tokenizer)
         self.plan = plan if plan is not None else build_plan(config)
@@ -128,7 +130,7 @@ class HostFeed:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, device_prefetch))
         self._stop = threading.Event()
         self._done = False
-        self._restarts = 0
+        self._closed_pool_stats: dict[str, int] = {}
         # Consumer-side statistics.
         self.steps = 0
         self.tokens = 0
@@ -307,6 +309,11 @@ class HostFeed:
         if self._source is not None:
             self._source.request_resize(workers)
 
+    def _pool_stat(self, name: str) -> int:
+        if self._source is not None:
+            return getattr(self._source, name, 0)
+        return self._closed_pool_stats.get(name, 0)
+
     def stats(self) -> dict[str, Any]:
         """Consumer-side statistics and the streams' counters (skips, truncations)."""
         span = ((self.last_batch_time or 0) - (self.first_batch_time or 0))
@@ -336,7 +343,9 @@ class HostFeed:
             # The pool starts at most one worker per owned stream.
             "workers": min(self._workers, len(self._rows.streams)) if self.backend == "ray" else 0,
             "backend": self.backend,
-            "restarts": getattr(self._source, "restarts", self._restarts),
+            "restarts": self._pool_stat("restarts"),
+            "object_store_bytes_bound": self._pool_stat("bytes_bound"),
+            "object_store_bytes_peak": self._pool_stat("bytes_peak"),
             "streams": len(self._rows.streams),
             "documents": documents,
             "skipped_documents": skipped,
@@ -352,7 +361,7 @@ class HostFeed:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._source is not None:
-            self._restarts = getattr(self._source, "restarts", 0)
+            self._closed_pool_stats = {k: self._pool_stat(k) for k in _POOL_STATS}
             self._source.close()
             self._source = None
 
