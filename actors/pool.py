@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from actors.metrics import HostMetrics
 from actors.worker import StreamWorker, WorkerError
 from ingest.config import Config
 from ingest.errors import StreamError
@@ -57,6 +58,11 @@ class WorkerPool:
         self._depth = config.requests_in_flight(len(self._stream_ids))
         self.bytes_bound = len(self._stream_ids) * (self._depth + 1) * config.chunk_bytes
         self.bytes_peak = 0
+        self.metrics = HostMetrics()
+        self.rows_by_stream: dict[int, int] = {s: 0 for s in self._stream_ids}
+        self.rows_by_worker: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self.started_at = time.perf_counter()
         self._timeout = get_timeout_s
         self._plan_ref = ray.put(plan)
         n = min(num_workers, len(self._stream_ids))
@@ -154,7 +160,9 @@ class WorkerPool:
         self.resizes += 1
 
     def _spawn(self):
-        w = StreamWorker.remote(self._config, self._plan_ref, f"w{self._next_name}")
+        name = f"w{self._next_name}"
+        w = StreamWorker.remote(self._config, self._plan_ref, name)
+        self._names[id(w)] = name
         self._next_name += 1
         # Asked first, so it is answered before any chunk request queues behind it.
         self._where[id(w)] = w.where.remote()
@@ -196,7 +204,9 @@ class WorkerPool:
                 self._replace(self._placement[s], s, e)
                 continue
             finally:
-                self.wait_s += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.wait_s += waited
+                self.metrics.wait_s.inc(waited)
             if isinstance(out, WorkerError) and out.retryable:
                 self._replace(self._placement[s], s, out)
                 continue
@@ -215,6 +225,13 @@ class WorkerPool:
         # per stream in its hands (the feed drops a chunk before asking for the next).
         held = sum(len(q) for q in self._queues.values()) + len(self._stream_ids)
         self.bytes_peak = max(self.bytes_peak, held * self._config.chunk_bytes)
+        name = self._names.get(id(self._placement[s]), "?")
+        self.rows_by_stream[s] += out.num_rows
+        self.rows_by_worker[name] = self.rows_by_worker.get(name, 0) + out.num_rows
+        tags = {"stream": str(s)}
+        self.metrics.rows.inc(out.num_rows, tags=tags)
+        self.metrics.queue_depth.set(len(q), tags=tags)
+        self.metrics.held_bytes.set(held * self._config.chunk_bytes)
         return out
 
     def _replace(self, dead, s: int, cause: BaseException) -> None:
@@ -236,6 +253,7 @@ class WorkerPool:
             fresh = self._spawn()
             self._workers[i] = fresh
             self.restarts += 1
+            self.metrics.restarts.inc()
             moved = [t for t, w in self._placement.items() if w is dead]
             for t in moved:
                 self._placement[t] = fresh

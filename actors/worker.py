@@ -7,10 +7,12 @@ tokenizers run single-threaded and the process never touches an accelerator.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ray
 
+from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
@@ -67,6 +69,7 @@ class StreamWorker:
         self._name = name
         self._streams: dict[int, Stream] = {}
         self._fault: tuple[int, int] | None = None
+        self._metrics: WorkerMetrics | None = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -110,7 +113,13 @@ class StreamWorker:
                     s.produce(at - done - 1)
                 raise RuntimeError(f"injected error in worker {self._name}, stream {stream_id}, "
                                    f"at row {at}")
-        return self._call(stream_id, s.produce, n_rows)
+        t0 = time.perf_counter()
+        out = self._call(stream_id, s.produce, n_rows)
+        if isinstance(out, Chunk):
+            if self._metrics is None:
+                self._metrics = WorkerMetrics(self._name)
+            self._metrics.record(out.num_rows, time.perf_counter() - t0)
+        return out
 
     def inject_error(self, stream_id: int, at_row: int) -> None:
         """Fault injection for tests: the produce call of ``stream_id`` that would emit row

@@ -86,6 +86,7 @@ class _Step:
 
 _END = object()
 _POOL_STATS = ("restarts", "bytes_bound", "bytes_peak")
+_POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
 class HostFeed:
@@ -130,7 +131,7 @@ class HostFeed:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, device_prefetch))
         self._stop = threading.Event()
         self._done = False
-        self._closed_pool_stats: dict[str, int] = {}
+        self._closed_pool_stats: dict[str, Any] = {}
         # Consumer-side statistics.
         self.steps = 0
         self.tokens = 0
@@ -309,10 +310,20 @@ class HostFeed:
         if self._source is not None:
             self._source.request_resize(workers)
 
-    def _pool_stat(self, name: str) -> int:
+    def _pool_stat(self, name: str) -> Any:
         if self._source is not None:
             return getattr(self._source, name, 0)
         return self._closed_pool_stats.get(name, 0)
+
+    def _rates(self, name: str) -> dict[str, float]:
+        """Rows per second since the pool started, keyed by worker or stream (ray backend)."""
+        if self._source is None:
+            return self._closed_pool_stats.get(name, {})
+        counts = getattr(self._source, name, None)
+        if not counts:
+            return {}
+        span = max(1e-9, time.perf_counter() - self._source.started_at)
+        return {str(k): round(v / span, 1) for k, v in counts.items()}
 
     def stats(self) -> dict[str, Any]:
         """Consumer-side statistics and the streams' counters (skips, truncations)."""
@@ -346,6 +357,8 @@ class HostFeed:
             "restarts": self._pool_stat("restarts"),
             "object_store_bytes_bound": self._pool_stat("bytes_bound"),
             "object_store_bytes_peak": self._pool_stat("bytes_peak"),
+            "rows_per_s_by_worker": self._rates("rows_by_worker"),
+            "rows_per_s_by_stream": self._rates("rows_by_stream"),
             "streams": len(self._rows.streams),
             "documents": documents,
             "skipped_documents": skipped,
@@ -362,6 +375,7 @@ class HostFeed:
             self._thread.join(timeout=10)
         if self._source is not None:
             self._closed_pool_stats = {k: self._pool_stat(k) for k in _POOL_STATS}
+            self._closed_pool_stats.update({k: self._rates(k) for k in _POOL_RATES})
             self._source.close()
             self._source = None
 

@@ -74,6 +74,12 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"skipped unreadable file {path}")
     for path, n in sorted(s["skipped_rows_of_bad_files"].items()):
         lines.append(f"skipped {n} row(s) of unreadable data in {path}")
+    if s.get("rows_per_s_by_worker"):
+        lines.append("rows/s by worker: " + ", ".join(
+            f"{w} {r:,.0f}" for w, r in sorted(s["rows_per_s_by_worker"].items())))
+    if s.get("object_store_bytes_bound"):
+        lines.append(f"object store held at most {s['object_store_bytes_peak'] / 2**20:.1f} MiB "
+                     f"(bound {s['object_store_bytes_bound'] / 2**20:.1f} MiB)")
     if "digest" in s:
         lines.append(f"digest {s['digest']}")
     return lines
@@ -218,7 +224,8 @@ def run_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The ``ingest`` console script."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ingest").setLevel(logging.INFO)
     try:
         return run_command(args)
     except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,

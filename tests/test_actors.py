@@ -43,3 +43,39 @@ def test_worker_reports_a_stream_that_is_not_open_as_a_value(ray_cluster, tmp_pa
         assert out.stream_id == 1 and out.worker == "probe"
     finally:
         ray.kill(w)
+
+
+@pytest.mark.slow
+def test_feed_metrics_reach_rays_prometheus_endpoint_and_stats(ray_cluster, tmp_path):
+    import threading
+    import time
+    import urllib.request
+
+    import jax
+
+    from jax_side import HostFeed, batch_sharding
+
+    write_parquet_corpus(tmp_path, n_files=2, docs_per_file=60, row_group_size=10, seed=2)
+    cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
+                 global_batch_size=16, num_streams=8, unit_rows=5, num_epochs=None, workers=2)
+    sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
+    with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
+        for _, _ in zip(range(20), feed, strict=False):
+            pass
+        stats = feed.stats()
+    assert set(stats["rows_per_s_by_stream"]) == {str(s) for s in range(8)}
+    assert all(r > 0 for r in stats["rows_per_s_by_stream"].values())
+    assert len(stats["rows_per_s_by_worker"]) == 2
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    wanted = {"ray_ingest_rows_received_total", "ray_ingest_worker_rows_total",
+              "ray_ingest_queue_depth", "ray_ingest_chunk_wait_seconds_total"}
+    found: set[str] = set()
+    deadline = time.monotonic() + 60  # Ray reports metrics every few seconds
+    tick = threading.Event()
+    while not wanted <= found and time.monotonic() < deadline:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        found = {line.split("{")[0].split(" ")[0] for line in body.decode().splitlines()
+                 if line.startswith("ray_ingest_")}
+        tick.wait(1.0)
+    assert wanted <= found, f"missing metrics after 60 s: {sorted(wanted - found)}"
