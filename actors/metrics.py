@@ -41,5 +41,8 @@ class WorkerMetrics:
                               tag_keys=("worker",))
 
     def record(self, rows: int, seconds: float) -> None:
-        self.rows.inc(rows, tags=self._tags)
-        self.busy_s.inc(seconds, tags=self._tags)
+        # Ray's counters refuse zero increments (the empty chunk at a stream's end has 0 rows).
+        if rows > 0:
+            self.rows.inc(rows, tags=self._tags)
+        if seconds > 0:
+            self.busy_s.inc(seconds, tags=self._tags)

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from actors.autoscale import AutoscalePolicy
 from actors.metrics import HostMetrics
 from actors.worker import StreamWorker, WorkerError
 from ingest.config import Config
@@ -66,6 +67,9 @@ class WorkerPool:
         self._timeout = get_timeout_s
         self._plan_ref = ray.put(plan)
         n = min(num_workers, len(self._stream_ids))
+        if config.autoscale:
+            n = max(config.min_workers, min(config.max_workers or n, n))
+            n = min(n, len(self._stream_ids))
         self._where: dict[int, ray.ObjectRef] = {}
         self._next_name = 0
         self._workers = [self._spawn() for _ in range(n)]
@@ -80,6 +84,15 @@ class WorkerPool:
         # come back to back, a poison document fails every time.
         self.max_failures = 5
         self._target_workers: int | None = None
+        self._pending: list = []
+        self._autoscale: AutoscalePolicy | None = None
+        if config.autoscale:
+            self._autoscale = AutoscalePolicy(
+                min_workers=min(config.min_workers, len(self._stream_ids)),
+                max_workers=min(config.max_workers or len(self._stream_ids),
+                                len(self._stream_ids)),
+                window_s=config.autoscale_window_s)
+            self._scale_mark = (time.perf_counter(), 0.0)
         self.chunks_received = 0
         self.restarts = 0
         self.resizes = 0
@@ -113,51 +126,105 @@ class WorkerPool:
             raise ValueError(f"resize to {n!r} workers: give a positive integer")
         self._target_workers = n
 
+    def _autoscale_step(self) -> None:
+        """Applies the autoscale policy once per window (on the next_chunk thread)."""
+        now = time.perf_counter()
+        since, waited_before = self._scale_mark
+        if now - since < self._autoscale.window_s:
+            return
+        self._scale_mark = (now, self.wait_s)
+        queued = [r for q in self._queues.values() for r in q]
+        ready = len(ray.wait(queued, num_returns=len(queued), timeout=0)[0]) if queued else 0
+        current = len(self._workers) + len(self._pending)
+        target = self._autoscale.decide(
+            workers=current, wait_fraction=(self.wait_s - waited_before) / (now - since),
+            ready_fraction=ready / len(queued) if queued else 1.0)
+        if target != current:
+            log.info("autoscale: %d -> %d workers", current, target)
+            self._target_workers = target
+
+    @property
+    def num_pending(self) -> int:
+        """Workers asked for but not started yet (waiting for a CPU, e.g. on Ray's autoscaler)."""
+        return len(self._pending)
+
     def _apply_resize(self) -> None:
         n = min(self._target_workers, len(self._stream_ids))
         self._target_workers = None
-        if n == len(self._workers):
+        have = len(self._workers) + len(self._pending)
+        if n == have:
             return
-        load = {id(w): [] for w in self._workers}
-        for t, w in self._placement.items():
-            load[id(w)].append(t)
-        moved: list[tuple[int, Any]] = []
-        drop: list = []
-        if n > len(self._workers):
-            new = [self._spawn() for _ in range(n - len(self._workers))]
-            self._workers += new
-            for w in new:
-                load[id(w)] = []
-            # Take streams from the busiest workers until loads differ by at most one.
-            while True:
-                busiest = max(self._workers, key=lambda w: len(load[id(w)]))
-                idlest = min(self._workers, key=lambda w: len(load[id(w)]))
-                if len(load[id(busiest)]) - len(load[id(idlest)]) <= 1:
-                    break
-                t = load[id(busiest)].pop()
+        self.resizes += 1
+        if n > have:
+            # New workers take streams only once they have started: a worker still waiting for
+            # a CPU (Ray's autoscaler adding a node, say) must never stall a stream.
+            self._pending += [self._spawn() for _ in range(n - have)]
+            log.info("growing the pool to %d workers (%d starting)", n, len(self._pending))
+            self._adopt_ready()
+            return
+        while self._pending and len(self._workers) + len(self._pending) > n:
+            ray.kill(self._pending.pop(), no_restart=True)
+        if len(self._workers) <= n:
+            return
+        keep, drop = self._workers[:n], self._workers[n:]
+        load = self._load()
+        moves = []
+        for w in drop:
+            for t in load[id(w)]:
+                idlest = min(keep, key=lambda k: len(load[id(k)]))
                 load[id(idlest)].append(t)
-                moved.append((t, idlest))
-        else:
-            keep, drop = self._workers[:n], self._workers[n:]
-            for w in drop:
-                for t in load[id(w)]:
-                    idlest = min(keep, key=lambda k: len(load[id(k)]))
-                    load[id(idlest)].append(t)
-                    moved.append((t, idlest))
-            self._workers = keep
-        log.info("resizing the pool to %d workers: moving streams %s", n, [t for t, _ in moved])
-        for t, w in moved:
-            self._placement[t] = w
-            self._queues[t].clear()
-        refs = [w.open.remote(t, *self._resume[t]) for t, w in moved]
-        for out in _get(refs, self._timeout, f"reopening streams {[t for t, _ in moved]}"):
-            _raise_worker_error(out)
+                moves.append((t, idlest))
+        self._workers = keep
+        log.info("shrinking the pool to %d workers: moving streams %s", n, [t for t, _ in moves])
+        self._move(moves)
         for w in drop:
             ray.kill(w, no_restart=True)
-        for t, _ in moved:
+
+    def _load(self) -> dict[int, list[int]]:
+        load: dict[int, list[int]] = {id(w): [] for w in self._workers}
+        for t, w in self._placement.items():
+            load[id(w)].append(t)
+        return load
+
+    def _adopt_ready(self) -> None:
+        """Moves streams onto pending workers that have started, evening out the load."""
+        if not self._pending:
+            return
+        refs = [self._where[id(w)] for w in self._pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        started = [w for w, r in zip(self._pending, refs, strict=True) if r in ready]
+        if not started:
+            return
+        self._pending = [w for w in self._pending if all(w is not x for x in started)]
+        self._workers += started
+        load = self._load()
+        moves = []
+        while True:
+            busiest = max(self._workers, key=lambda w: len(load[id(w)]))
+            idlest = min(self._workers, key=lambda w: len(load[id(w)]))
+            if len(load[id(busiest)]) - len(load[id(idlest)]) <= 1:
+                break
+            t = load[id(busiest)].pop()
+            load[id(idlest)].append(t)
+            moves.append((t, idlest))
+        log.info("%d new worker(s) started: moving streams %s", len(started),
+                 [t for t, _ in moves])
+        self._move(moves)
+
+    def _move(self, moves: list[tuple[int, Any]]) -> None:
+        """Reopens streams on other (started) workers from the last chunk received."""
+        for t, w in moves:
+            self._placement[t] = w
+            self._queues[t].clear()
+        refs = [w.open.remote(t, *self._resume[t]) for t, w in moves]
+        for (t, w), ref in zip(moves, refs, strict=True):
+            try:
+                _raise_worker_error(_get(ref, self._timeout, f"reopening stream {t}"))
+            except _WORKER_LOST as e:
+                self._replace(w, t, e)
+        for t, _ in moves:
             if t not in self._exhausted:
                 self._fill(t)
-        self.resizes += 1
 
     def _spawn(self):
         name = f"w{self._next_name}"
@@ -190,8 +257,11 @@ class WorkerPool:
 
     def next_chunk(self, s: int) -> Chunk:
         """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
+        if self._autoscale is not None:
+            self._autoscale_step()
         if self._target_workers is not None:
             self._apply_resize()
+        self._adopt_ready()
         while True:
             q = self._queues[s]
             if not q:
@@ -206,7 +276,8 @@ class WorkerPool:
             finally:
                 waited = time.perf_counter() - t0
                 self.wait_s += waited
-                self.metrics.wait_s.inc(waited)
+                if waited > 0:
+                    self.metrics.wait_s.inc(waited)
             if isinstance(out, WorkerError) and out.retryable:
                 self._replace(self._placement[s], s, out)
                 continue
@@ -229,7 +300,8 @@ class WorkerPool:
         self.rows_by_stream[s] += out.num_rows
         self.rows_by_worker[name] = self.rows_by_worker.get(name, 0) + out.num_rows
         tags = {"stream": str(s)}
-        self.metrics.rows.inc(out.num_rows, tags=tags)
+        if out.num_rows:  # Ray's counters refuse zero increments
+            self.metrics.rows.inc(out.num_rows, tags=tags)
         self.metrics.queue_depth.set(len(q), tags=tags)
         self.metrics.held_bytes.set(held * self._config.chunk_bytes)
         return out

@@ -25,7 +25,8 @@ FORMATS = ("parquet", "arrow", "jsonl")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 
 # Fields that may differ between a checkpoint and the config it is restored into.
-RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch", "object_store_budget_mb"})
+RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch", "object_store_budget_mb",
+                            "autoscale", "min_workers", "max_workers", "autoscale_window_s"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +97,10 @@ class Config:
       object_store_budget_mb: the most object-store memory a host's chunks may hold (requests in
         flight plus the chunk being read, per owned stream); lowers the requests in flight to
         fit. Null: ``prefetch`` alone bounds it. Runtime only.
+      autoscale: grow the pool while the host waits for chunks and shrink it while chunks sit
+        unused, within ``min_workers``/``max_workers`` (``workers`` is the start). Runtime only.
+      min_workers, max_workers: autoscale bounds; null max means one worker per owned stream.
+      autoscale_window_s: seconds between autoscale decisions.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -118,6 +123,10 @@ class Config:
     chunk_rows: int = 16
     prefetch: int = 2
     object_store_budget_mb: float | None = None
+    autoscale: bool = False
+    min_workers: int = 1
+    max_workers: int | None = None
+    autoscale_window_s: float = 2.0
 
     def __post_init__(self):
         problems = []
@@ -157,6 +166,10 @@ class Config:
                                         "packing_bins", "unit_rows", "workers", "chunk_rows",
                                         "prefetch")]
         positive_int("num_epochs", allow_none=True)
+        if (positive_int("min_workers") and positive_int("max_workers", allow_none=True)
+                and self.max_workers is not None and self.max_workers < self.min_workers):
+            problems.append(f"max_workers={self.max_workers} is below "
+                            f"min_workers={self.min_workers}")
         if ok[1] and ok[2] and self.global_batch_size % self.num_streams:
             divisors = [d for d in range(1, self.global_batch_size + 1)
                         if self.global_batch_size % d == 0]
@@ -169,9 +182,12 @@ class Config:
                               ("on_bad_file", BAD_INPUT_POLICIES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {list(allowed)}")
-        for name in ("predict_across_documents", "shuffle"):
+        for name in ("predict_across_documents", "shuffle", "autoscale"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        w = self.autoscale_window_s
+        if isinstance(w, bool) or not isinstance(w, int | float) or w <= 0:
+            problems.append(f"autoscale_window_s={w!r} must be a number of seconds > 0")
         b = self.object_store_budget_mb
         if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or b <= 0):
             problems.append(f"object_store_budget_mb={b!r} must be a number > 0 or null")
