@@ -54,6 +54,14 @@ class SourceConfig:
             out.append(f"{where}.paths is empty; give at least one file, directory or glob")
         elif not all(isinstance(p, str) and p for p in self.paths):
             out.append(f"{where}.paths={list(self.paths)!r} must hold non-empty strings")
+        else:
+            for p in self.paths:
+                if "://" in p and "@" in p.split("://", 1)[1].split("/", 1)[0]:
+                    # Never repeat the secret: name the scheme and bucket only.
+                    out.append(f"{where}.paths: a {p.split('://')[0]}:// URI embeds credentials; "
+                               f"remove them and use the standard environment variables "
+                               f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                               f"GOOGLE_APPLICATION_CREDENTIALS) or the node's role")
         if not isinstance(self.text_column, str) or not self.text_column:
             out.append(f"{where}.text_column={self.text_column!r} must be a column name")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int | float) or not (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import glob
 import hashlib
 import io
@@ -63,8 +64,19 @@ class FileInfo:
 
 def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     if "://" in path:
+        scheme, rest = path.split("://", 1)
+        if scheme in ("s3", "gs", "gcs") and "?" not in rest:
+            # Object stores: the path is bucket/key, and one filesystem serves the bucket.
+            return _filesystem_for(f"{scheme}://{rest.split('/', 1)[0]}"), rest
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+@functools.lru_cache(maxsize=64)
+def _filesystem_for(root: str) -> pafs.FileSystem:
+    # One filesystem per bucket/host: from_uri resolves regions and credentials, too slow to
+    # repeat for every unit read. Credentials come from the standard environment variables.
+    return pafs.FileSystem.from_uri(root)[0]
 
 
 def _format_of(path: str, forced: str | None) -> str | None:
