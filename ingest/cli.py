@@ -45,6 +45,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault injection: SIGKILL a random Ray worker this often (the batches "
                         "must not change)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    h = r.add_argument_group(
+        "many JAX hosts", "On a cluster, run the same command on every host with --coordinator, "
+        "--num-hosts and --host-id (or let JAX detect a SLURM / Open MPI / "
+        "JAX_COORDINATOR_ADDRESS environment). --hosts N tries it on one machine.")
+    h.add_argument("--coordinator", metavar="ADDR",
+                   help="host:port of process 0's JAX coordination service")
+    h.add_argument("--num-hosts", type=int, metavar="N", help="JAX processes in the run")
+    h.add_argument("--host-id", type=int, metavar="I", help="this process's index, 0..N-1")
+    h.add_argument("--hosts", type=int, metavar="N",
+                   help="start N local JAX processes on 127.0.0.1 running this command; "
+                        "process 0 prints one summary of the global batches")
+    h.add_argument("--devices-per-host", type=int, default=4, metavar="D",
+                   help="forced CPU devices of each --hosts process (default 4)")
+    b = sub.add_parser("bench", help="benchmark the feed against the tokenizer's limit, grain "
+                       "and Ray Data", description="Benchmark: the single-core tokenizer limit, "
+                       "`ingest run`, grain and Ray Data on one corpus (default: the built-in "
+                       "demo), a table on stderr and every figure in a JSON file. Needs the "
+                       "source checkout (benchmarks/).")
+    b.add_argument("config", nargs="?", help="YAML config whose sources, tokenizer and batch "
+                   "shape to use (default: the built-in demo)")
+    b.add_argument("--json", action="store_true",
+                   help="also print the results as one JSON object on the last line of stdout")
+    b.add_argument("--out", metavar="FILE", help="results file (default: "
+                   "benchmarks/results.json, or benchmarks/results-quick.json with --quick)")
+    b.add_argument("--quick", action="store_true",
+                   help="smoke test: a slice of the corpus and a few steps (about a minute)")
+    b.add_argument("--steps", type=int, metavar="N",
+                   help="stop every pipeline after N steps (default: one epoch; --quick: 40)")
     return p
 
 
@@ -52,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and checks the command line; exits with status 2 naming every problem."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        if args.steps is not None and args.steps <= 0:
+            parser.error(f"--steps={args.steps} must be positive")
+        return args
     problems = []
     if args.steps is not None and args.steps <= 0:
         problems.append(f"--steps={args.steps} must be positive")
@@ -66,6 +98,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append("--kill-worker-every SECONDS needs SECONDS > 0 and --backend ray")
     if args.resume and not args.checkpoint_dir:
         problems.append("--resume needs --checkpoint-dir DIR")
+    joined = [args.coordinator is not None, args.num_hosts is not None, args.host_id is not None]
+    if any(joined) and not all(joined):
+        problems.append("--coordinator, --num-hosts and --host-id go together; give all three")
+    elif all(joined) and not (args.num_hosts > 0 and 0 <= args.host_id < args.num_hosts):
+        problems.append(f"--host-id={args.host_id} must be in 0..{args.num_hosts - 1} for "
+                        f"--num-hosts={args.num_hosts}")
+    if args.hosts is not None and (args.hosts <= 0 or any(joined)):
+        problems.append("--hosts N needs N > 0 and starts its own processes: leave out "
+                        "--coordinator, --num-hosts and --host-id")
+    if args.devices_per_host <= 0:
+        problems.append(f"--devices-per-host={args.devices_per_host} must be positive")
     if problems:
         parser.error("; ".join(problems))
     return args

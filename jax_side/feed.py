@@ -25,6 +25,7 @@ from ingest.plan import UnitPlan, build_plan
 from ingest.shift import FIELDS
 from ingest.stream import Chunk, Stream
 from ingest.tokenize import load_tokenizer
+from jax_side.multihost import EndAgreement
 from jax_side.sharding import host_rows
 
 __all__ = ["HostFeed", "LocalSource"]
@@ -101,6 +102,10 @@ class HostFeed:
       plan: the unit plan (built from the config when None).
       device_prefetch: finished global batches kept ready.
       get_timeout_s: the longest one chunk may take (ray) before an error names it.
+
+    With several JAX processes, each builds one on the same global sharding and iterates it in
+    step; at the end of finite data they agree on the last step (``jax_side.multihost``), and
+    ``next`` raises ``multihost.PeerError`` if another process died meanwhile.
     """
 
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
@@ -116,6 +121,12 @@ class HostFeed:
         self.backend = backend
         self._rows = host_rows(sharding, config.global_batch_size, config.seq_len,
                                config.num_streams)
+        # Several JAX processes and finite data: exhausted hosts pad until every host is, then
+        # all stop after the same step (jax_side.multihost). _claim: the last step known to
+        # have a row here, written by the producer, read by the consumer.
+        self._end = (EndAgreement() if jax.process_count() > 1 and config.num_epochs is not None
+                     else None)
+        self._claim = 0
         config.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
         # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
         load_tokenizer(config.tokenizer)
@@ -229,15 +240,23 @@ class HostFeed:
             n = self._take(s, local, j * k, k)
             got += n
             padding_rows += k - n
-        if got == 0:
+        if got == 0 and self._end is None:
             return None
         self._step += 1
+        if got and self._end is not None:
+            self._claim = self._step + self._steps_in_hand()
         seg = local[FIELDS.index("inputs_segmentation")]
         tokens = int(np.count_nonzero(seg))
         shape = (cfg.global_batch_size, cfg.seq_len)
         arrays = {name: jax.make_array_from_process_local_data(self.sharding, local[i], shape)
                   for i, name in enumerate(FIELDS)}
         return _Step(arrays, self._snapshot(), tokens, padding_rows, seg.size - tokens)
+
+    def _steps_in_hand(self) -> int:
+        """Steps after the current one that rows already received fill for some stream."""
+        k = self.config.rows_per_stream
+        left = [c.chunk.num_rows - c.taken for c in self._cursors.values() if c.chunk is not None]
+        return -(-max(left, default=0) // k)
 
     def _produce(self) -> None:
         try:
@@ -277,6 +296,9 @@ class HostFeed:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the HostFeed producer thread died without a message; "
                                        "this is a bug in jax_side.feed") from None
+        if self._end is not None and isinstance(item, _Step) and not self._end.continues(
+                item.state["step"], self._claim):
+            item = _END
         now = time.perf_counter()
         waited = now - t0
         self.wait_s += waited

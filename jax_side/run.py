@@ -1,4 +1,9 @@
-"""``ingest run``: the feed on a mesh of all local devices, with progress, summary and digest."""
+"""``ingest run``: the feed on a mesh of all devices, with progress, summary and digest.
+
+With several JAX processes (``--coordinator``/``--num-hosts``/``--host-id``, a cluster
+environment, or ``--hosts N`` locally: ``jax_side.multihost``), the mesh spans every process's
+devices, digests hash the gathered global batches, and process 0 prints one summary.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
+from jax_side.multihost import PeerError
 
 __all__ = ["main", "run_command", "start_ray"]
 
@@ -116,8 +122,13 @@ def run_command(args) -> int:
     t_start = _process_start_time()
     import jax
 
+    from jax_side import multihost
     from jax_side.feed import HostFeed
     from jax_side.sharding import batch_sharding
+
+    # Before anything touches a JAX device, so that the device list is the global one.
+    multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
+    lead = jax.process_index() == 0
 
     overrides = {"workers": args.workers}
     cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
@@ -127,7 +138,7 @@ def run_command(args) -> int:
     mesh = jax.make_mesh((len(devices),), ("data",))
     if cfg.global_batch_size % len(devices):
         print(f"ingest: error: global_batch_size={cfg.global_batch_size} is not divisible by the "
-              f"{len(devices)} local devices; change global_batch_size", file=sys.stderr)
+              f"{len(devices)} devices; change global_batch_size", file=sys.stderr)
         return 2
     sharding = batch_sharding(mesh, "data")
     feed = HostFeed(cfg, sharding=sharding, backend=args.backend)
@@ -147,9 +158,10 @@ def run_command(args) -> int:
                       file=sys.stderr)
     start_step = feed.get_state()["step"]
     digest = BatchDigest() if args.digest else None
-    digest_log = open(args.digest_log, "a", encoding="utf-8") if args.digest_log else None
+    digest_log = (open(args.digest_log, "a", encoding="utf-8") if args.digest_log and lead
+                  else None)
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and lead:
         from tqdm import tqdm
 
         total = (args.steps - start_step) if args.steps else None
@@ -167,8 +179,8 @@ def run_command(args) -> int:
             if first_batch_at is None:
                 first_batch_at = time.time()
             step += 1
-            if digest is not None or digest_log is not None:
-                host = {k: np.asarray(v) for k, v in batch.items()}
+            if digest is not None or args.digest_log:
+                host = multihost.global_batch(batch, step)  # every process takes part
                 if digest is not None:
                     digest.update(host)
                 if digest_log is not None:
@@ -214,6 +226,10 @@ def run_command(args) -> int:
     stats["last_step"] = step
     if digest is not None:
         stats["digest"] = digest.hexdigest()
+    if jax.process_count() > 1:
+        stats = multihost.combine_stats(multihost.allgather_json(stats, "the run summaries"))
+        if not lead:
+            return 0
     for line in _summary_lines(stats):
         print(line, file=sys.stderr)
     if args.json:
@@ -227,12 +243,59 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:
+        if args.command == "bench":
+            return _bench(args)
+        if args.hosts:
+            from jax_side.multihost import launch_local_hosts
+
+            cfg = load_config(args.config) if args.config else demo_config()
+            return launch_local_hosts(sys.argv[1:] if argv is None else list(argv), args,
+                                      workers_per_host=args.workers or cfg.workers)
         return run_command(args)
     except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,
-            TimeoutError) as e:
-        # Input and config problems: the message names the fix; no traceback needed.
-        print(f"ingest: error: {e}", file=sys.stderr)
+            TimeoutError, PeerError) as e:
+        # Input and config problems, a peer that left: the message names the fix; no traceback.
+        print(f"ingest: error: {_host()}{e}", file=sys.stderr)
+        _leave_if_distributed(1)
         return 1
+    except BaseException:
+        _leave_if_distributed(1, print_traceback=True)
+        raise
+
+
+def _bench(args) -> int:
+    """``ingest bench``: the harness lives in the source checkout's benchmarks/, which is not
+    an installed package, so it is imported from next to this package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isdir(os.path.join(root, "benchmarks")) and root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        from benchmarks.bench import bench_command
+    except ImportError as e:
+        raise ValueError(f"`ingest bench` needs the source checkout's benchmarks/ folder next to "
+                         f"jax_side/ ({e}); run it from a clone of the repository") from e
+    return bench_command(args)
+
+
+def _host() -> str:
+    """``host I of N: `` in a multi-process run, else nothing."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return ""
+    return f"host {jax.process_index()} of {jax.process_count()}: "
+
+
+def _leave_if_distributed(code: int, *, print_traceback: bool = False) -> None:
+    """A failed process of a multi-process run leaves at once (see ``multihost.leave``)."""
+    if _host():
+        from jax_side.multihost import leave
+
+        if print_traceback:
+            import traceback
+
+            traceback.print_exc()
+        leave(code)
 
 
 if __name__ == "__main__":

@@ -79,10 +79,13 @@ def host_rows(sharding: NamedSharding, global_batch_size: int, seq_len: int,
     if start % k or stop % k:
         raise ValueError(
             f"with num_streams={num_streams}, each stream fills {k} consecutive rows, but this "
-            f"process holds rows [{start}, {stop}) of global_batch_size={global_batch_size}: a "
-            f"stream would straddle two hosts. Choose num_streams so that global_batch_size / "
-            f"num_streams divides the {stop - start} rows per process (e.g. "
-            f"num_streams={global_batch_size // _gcd(k, stop - start)})")
+            f"process ({jax.process_index()} of {jax.process_count()}) holds rows "
+            f"[{start}, {stop}) of global_batch_size={global_batch_size} on mesh "
+            f"{dict(mesh.shape)} with rows split over {spec[0]!r}: a stream would straddle two "
+            f"hosts. Choose num_streams so that global_batch_size / num_streams divides the "
+            f"{stop - start} rows per process (e.g. "
+            f"num_streams={global_batch_size // _gcd(k, stop - start)}), or a mesh that gives "
+            f"each process a multiple of {k} rows")
     return HostRows(start, stop, tuple(range(start // k, stop // k)))
 
 

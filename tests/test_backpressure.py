@@ -16,8 +16,9 @@ from tests.helpers import write_parquet_corpus
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _plasma_bytes() -> int:
-    text = internal_api.memory_summary(stats_only=True)
+def _plasma_bytes(address: str) -> int:
+    # The address matters: other Ray clusters may run on this machine at the same time.
+    text = internal_api.memory_summary(address=address, stats_only=True)
     m = re.search(r"Plasma memory usage (\d+) MiB", text)
     assert m, f"no plasma usage in Ray's memory summary:\n{text[-1000:]}"
     return int(m.group(1)) * 2**20
@@ -36,7 +37,7 @@ def test_object_store_stays_under_the_budget_while_the_consumer_pauses(ray_clust
     # One chunk is 6 x 16 x 1024 x 4 B = 384 KiB; 8 streams x (prefetch 8 + 1) would be 27 MiB.
     cfg = _config(tmp_path, object_store_budget_mb=8)
     sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
-    baseline = _plasma_bytes()
+    baseline = _plasma_bytes(ray_cluster)
     with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
         for _, _ in zip(range(3), feed, strict=False):
             pass
@@ -45,7 +46,7 @@ def test_object_store_stays_under_the_budget_while_the_consumer_pauses(ray_clust
         paused = threading.Event()
         for _ in range(20):
             paused.wait(0.5)
-            peak = max(peak, _plasma_bytes() - baseline)
+            peak = max(peak, _plasma_bytes(ray_cluster) - baseline)
         for _, _ in zip(range(3), feed, strict=False):
             pass
         stats = feed.stats()

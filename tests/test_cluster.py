@@ -154,7 +154,12 @@ def test_ray_job_submit_runs_ingest_on_a_loopback_cluster(tmp_path):
     head = subprocess.Popen(
         [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
-         "--include-dashboard=true", f"--temp-dir={ray_tmp}"],
+         "--include-dashboard=true", f"--temp-dir={ray_tmp}",
+         # Free ports for the agents: the defaults (52365, ...) belong to the session cluster.
+         f"--dashboard-agent-listen-port={_free_port()}",
+         f"--dashboard-agent-grpc-port={_free_port()}",
+         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+         f"--ray-client-server-port={_free_port()}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -170,7 +175,15 @@ def test_ray_job_submit_runs_ingest_on_a_loopback_cluster(tmp_path):
         submit = [str(bin_dir / "ray"), "job", "submit",
                   f"--address=http://127.0.0.1:{dash}", "--",
                   "ingest", "run", str(config), "--steps", "3", "--json", "--no-progress"]
-        out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
+        deadline = time.monotonic() + 120
+        while True:
+            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
+            # The job agent starts after the dashboard answers; Ray says to try again.
+            if "No available agent" not in out.stdout + out.stderr:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail("the Ray head's job agent was not ready within 120 s")
+            threading.Event().wait(1.0)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert "succeeded" in out.stdout
         summary = next(json.loads(line) for line in reversed(out.stdout.splitlines())
