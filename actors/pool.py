@@ -29,7 +29,7 @@ from actors.worker import StreamWorker, WorkerError
 from ingest.config import Config
 from ingest.errors import StreamError
 from ingest.plan import UnitPlan
-from ingest.stream import Chunk
+from ingest.stream import Chunk, Stream
 
 __all__ = ["WorkerPool"]
 
@@ -65,6 +65,7 @@ class WorkerPool:
         self._names: dict[int, str] = {}
         self.started_at = time.perf_counter()
         self._timeout = get_timeout_s
+        self._plan = plan
         self._plan_ref = ray.put(plan)
         n = min(num_workers, len(self._stream_ids))
         if config.autoscale:
@@ -350,12 +351,19 @@ class WorkerPool:
         count = count + 1 if last == position else 1
         self._failures[s] = (position, count)
         if count >= self.max_failures:
-            st = self._resume[s][0] or {}
             raise StreamError(
-                f"stream {s} failed {count} times at the same position (epoch "
-                f"{st.get('epoch', 0)}, unit {st.get('unit', 0)}, document {st.get('doc', 0)}) "
-                f"without delivering a chunk; last error: {type(cause).__name__}: {cause}",
-                stream_id=s) from cause
+                f"stream {s} failed {count} times in a row at {self._where_is(s)} without "
+                f"delivering a chunk (a poison document there, or workers lost faster than they "
+                f"restart); last error: {type(cause).__name__}: {cause}", stream_id=s) from cause
+
+    def _where_is(self, s: int) -> str:
+        """The file and row at stream ``s``'s resume position, for error messages."""
+        state, skip = self._resume[s]
+        stream = Stream(self._config, self._plan, s)
+        if state is not None:
+            stream.set_state(state)
+        where = stream.describe_head()
+        return where + (f", {skip} rows further" if skip else "")
 
     def inject_error(self, s: int, at_row: int) -> None:
         """Fault injection for tests: stream ``s``'s worker fails partway through the chunk that

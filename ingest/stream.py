@@ -214,6 +214,22 @@ class Stream:
         starts[good_offsets] = True
         return _UnitTokens(epoch, pos, first_doc, tokens, starts, offsets, bad, info.path)
 
+    def describe_head(self) -> str:
+        """Where the head is, in the corpus's terms: ``FILE row N (unit U of epoch E)``."""
+        st = self._state
+        if st.exhausted:
+            return "the end of its data"
+        c = self.config
+        uid = self._units(st.epoch)[st.unit]
+        unit = self.plan.units[uid]
+        info = self.plan.files[unit.file]
+        order = np.arange(unit.num_rows)
+        if c.shuffle:
+            order = philox(c.seed, st.epoch, uid, 0xD0C).permutation(unit.num_rows)
+        doc = min(st.doc, unit.num_rows - 1)
+        row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[doc])
+        return f"{info.path} row {row} (unit {st.unit} of epoch {st.epoch})"
+
     def _head_unit(self) -> _UnitTokens | None:
         s = self._state
         if s.exhausted:

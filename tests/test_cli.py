@@ -331,17 +331,18 @@ def test_demo_runs_without_a_config(tmp_path):
 @pytest.mark.ray
 def test_kill_worker_every_keeps_the_digest_and_json_stays_the_last_line(job, tmp_path,
                                                                           ray_cluster):
-    # Endless epochs and a simulated 0.1 s training step: about 6 s, so kills every 1.5 s land.
+    # Hundreds of steps, endless epochs and a simulated 0.03 s training step: about 6 s, so
+    # kills every 1.5 s land.
     # Each run starts its own local cluster (no --address): kills hit this run's workers only.
     config = tmp_path / "endless.yaml"
     config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None,
                                           sources=[{"paths": [str(job / "corpus")]}])))
-    base = ["run", str(config), "--steps", "60", "--digest", "--json", "--no-progress",
-            "--step-time", "0.1", "--workers", "2"]
+    base = ["run", str(config), "--steps", "200", "--digest", "--json", "--no-progress",
+            "--step-time", "0.03", "--workers", "2"]
     unbroken = summary(run_cli(base, cache_dir=tmp_path))
     killed = summary(run_cli(base + ["--kill-worker-every", "1.5"], cache_dir=tmp_path))
     assert killed["digest"] == unbroken["digest"]
-    assert killed["steps"] == unbroken["steps"] == 60
+    assert killed["steps"] == unbroken["steps"] == 200
     assert killed["workers_killed"] >= 1
     assert killed["restarts"] >= 1
     assert unbroken["restarts"] == 0

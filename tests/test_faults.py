@@ -129,3 +129,30 @@ def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(ra
         restarts = feed._source.restarts
     assert got == expected
     assert restarts == 1
+
+
+def test_a_stream_that_keeps_failing_stops_with_an_error_naming_file_and_row(ray_cluster,
+                                                                             corpus):
+    from actors.pool import WorkerPool
+    from ingest import StreamError, build_plan
+    from ingest.stream import Stream
+
+    cfg = _config(corpus, num_epochs=1, chunk_rows=2, prefetch=1)
+    plan = build_plan(cfg)
+    pool = WorkerPool(cfg, plan, list(range(8)), num_workers=1)
+    try:
+        pool.open({s: (None, 0) for s in range(8)})
+        first = pool.next_chunk(3)
+        expected = Stream(cfg, plan, 3)
+        expected.set_state(first.state_after)
+        where = expected.describe_head()
+        # A fault at every attempt at the same position: what a poison document looks like.
+        with pytest.raises(StreamError) as e:
+            for _ in range(pool.max_failures):
+                pool.inject_error(3, first.state_after["rows_emitted"] + 1)
+                pool._replace(pool._placement[3], 3, RuntimeError("injected"))
+        assert f"stream 3 failed {pool.max_failures} times" in str(e.value)
+        assert where in str(e.value)
+        assert str(corpus) in where and " row " in where
+    finally:
+        pool.close()
