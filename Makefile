@@ -20,7 +20,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check ingest actors jax_side tests
+	$(BIN)/ruff check ingest actors jax_side benchmarks tests
+
+# The benchmark harness: tokenizer limit, `ingest run`, grain and Ray Data on the demo corpus.
+# Writes benchmarks/results.json; `make bench ARGS=--quick` is the one-minute smoke test.
+bench: $(STAMP)
+	$(BIN)/ingest bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -69,7 +69,8 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        out = self._tok.encode_batch(texts, add_special_tokens=False)
+        # encode_batch_fast skips offsets: same ids, ~1.6x faster here (benchmarks/).
+        out = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in out]
 
 

@@ -56,8 +56,8 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
-    # A cluster this command starts listens on 127.0.0.1 only (FACTS.md).
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Listens on 127.0.0.1 only: main() set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray
+    # was imported (see prepare_environment).
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              logging_level=logging.WARNING, configure_logging=True)
 
@@ -237,9 +237,21 @@ def run_command(args) -> int:
     return 0
 
 
+def prepare_environment(args) -> None:
+    """Process-wide settings that must precede ``import ray``.
+
+    A cluster this command starts itself (no --address, no $RAY_ADDRESS) listens on 127.0.0.1
+    only. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported, so setting it later
+    does nothing (its sockets then listen on every interface).
+    """
+    if not (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``ingest`` console script."""
     args = parse_args(argv)
+    prepare_environment(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:

@@ -1,0 +1,148 @@
+"""Host-side cost: turning chunks into one global batch, against a plain copy of its bytes.
+
+Run as ``python -m benchmarks.assembly --spec SPEC.json``; prints one JSON object. Real chunks
+are produced first (by our streams, in this process; not timed), then replayed into:
+
+    hostfeed     HostFeed's own assembly (``_assemble``): copy k rows per stream into the
+                 local batch, count tokens, snapshot the state, and form the six global arrays
+                 with jax.make_array_from_process_local_data
+    row_copy     only the row copies into a fresh local batch
+    make_array   only the six make_array_from_process_local_data calls on a ready batch
+    np_copy      np.copy of one contiguous array of the same bytes: the floor
+
+Every figure is the median over the steps, with ``jax.block_until_ready`` on the arrays, on a
+mesh of the local devices as ``ingest run`` builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.corpus import BenchSpec
+
+__all__ = ["main", "measure_assembly"]
+
+FULL_STEPS = 100
+QUICK_STEPS = 30
+
+
+class _ReplaySource:
+    """Serves chunks produced beforehand, in order, through HostFeed's source interface."""
+
+    def __init__(self, chunks: dict[int, list]):
+        self._chunks = {s: list(c) for s, c in chunks.items()}
+        self.num_workers = 0
+        self.wait_s = 0.0
+
+    def next_chunk(self, s: int):
+        return self._chunks[s].pop(0)
+
+    def close(self) -> None:
+        self._chunks.clear()
+
+
+def _median_us(times: list[float]) -> float:
+    return statistics.median(times) * 1e6
+
+
+def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
+    import jax
+
+    from ingest.config import Config
+    from ingest.plan import build_plan
+    from ingest.shift import FIELDS
+    from ingest.stream import Stream
+    from jax_side.feed import HostFeed
+    from jax_side.sharding import batch_sharding, host_rows
+
+    cfg = Config.from_dict(spec.config)
+    plan = build_plan(cfg)
+    mesh = jax.make_mesh((jax.local_device_count(),), ("data",))
+    sharding = batch_sharding(mesh, "data")
+    rows = host_rows(sharding, cfg.global_batch_size, cfg.seq_len, cfg.num_streams)
+    k = cfg.rows_per_stream
+    steps = QUICK_STEPS if spec.quick else FULL_STEPS
+    chunks: dict[int, list] = {}
+    for s in rows.streams:
+        stream = Stream(cfg, plan, s)
+        chunks[s] = [stream.produce(cfg.chunk_rows) for _ in range(-(-steps * k // cfg.chunk_rows))]
+        if sum(c.num_rows for c in chunks[s]) < steps * k:
+            raise ValueError(f"stream {s} has fewer than {steps * k} rows; the corpus is too small "
+                             f"for {steps} assembly steps: use a larger corpus or fewer streams")
+    shape = (cfg.global_batch_size, cfg.seq_len)
+    local_shape = (len(FIELDS), rows.stop - rows.start, cfg.seq_len)
+    batch_bytes = int(np.prod(local_shape)) * 4
+
+    out: dict[str, Any] = {"steps": steps, "batch_bytes": batch_bytes,
+                           "devices": jax.local_device_count(), "rows_per_stream": k}
+    try:
+        feed = HostFeed(cfg, sharding=sharding, backend="local", plan=plan)
+        feed._source = _ReplaySource(chunks)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step = feed._assemble()
+            jax.block_until_ready(step.arrays)
+            times.append(time.perf_counter() - t0)
+        feed._source = None
+        out["hostfeed_us"] = _median_us(times)
+    except (AttributeError, TypeError) as e:
+        # HostFeed's private assembly interface changed: keep the decomposition below.
+        out["hostfeed_error"] = (f"HostFeed._assemble could not be driven ({type(e).__name__}: "
+                                 f"{e}); update benchmarks/assembly.py")
+
+    copy_t, make_t, np_t = [], [], []
+    pos = {s: (0, 0) for s in rows.streams}  # (chunk index, rows taken)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        local = np.zeros(local_shape, dtype=np.int32)
+        for j, s in enumerate(rows.streams):
+            ci, taken = pos[s]
+            filled = 0
+            while filled < k:
+                c = chunks[s][ci]
+                n = min(k - filled, c.num_rows - taken)
+                local[:, j * k + filled:j * k + filled + n] = c.fields[:, taken:taken + n]
+                filled += n
+                taken += n
+                if taken == c.num_rows:
+                    ci, taken = ci + 1, 0
+            pos[s] = (ci, taken)
+        t1 = time.perf_counter()
+        arrays = [jax.make_array_from_process_local_data(sharding, local[i], shape)
+                  for i in range(len(FIELDS))]
+        jax.block_until_ready(arrays)
+        t2 = time.perf_counter()
+        flat = np.copy(local)
+        t3 = time.perf_counter()
+        del flat, arrays
+        copy_t.append(t1 - t0)
+        make_t.append(t2 - t1)
+        np_t.append(t3 - t2)
+    out.update(row_copy_us=_median_us(copy_t), make_array_us=_median_us(make_t),
+               np_copy_us=_median_us(np_t))
+    assembled = out.get("hostfeed_us", out["row_copy_us"] + out["make_array_us"])
+    out["assembly_us"] = assembled
+    out["assembly_over_np_copy"] = assembled / out["np_copy_us"]
+    out["np_copy_bytes_per_s"] = batch_bytes / (out["np_copy_us"] * 1e-6)
+    out["assembly_bytes_per_s"] = batch_bytes / (assembled * 1e-6)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.assembly", description=__doc__)
+    p.add_argument("--spec", required=True, help="the BenchSpec JSON written by ingest bench")
+    args = p.parse_args(argv)
+    print(json.dumps(measure_assembly(BenchSpec.load(args.spec))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""``ingest bench``: our feed against the tokenizer's limit and against grain and Ray Data.
+
+One invocation measures, on one corpus with one tokenizer, ``seq_len`` and batch
+(``benchmarks.corpus``), each in its own subprocess with a deadline:
+
+    1 limit        the configured tokenizer on one core (the feed's own encode_batch), the
+                   other backend (HF tokenizers on GPT-2's files), Parquet reads, and our
+                   Stream.produce on one core with a cProfile split of where it spends time
+    2 ours         ``ingest run CONFIG --json``: Ray, one worker per CPU, global arrays on a
+                   mesh of the local devices; process-tree RSS and CPU time sampled
+    3 peers        grain (one process, and mp_prefetch with one process per CPU), Ray Data
+    4 assembly     host-side cost of one global batch against np.copy of its bytes
+    5 step         ``ingest run --step-time S`` with S = 1.25 x our time per batch: the stall;
+                   Ray's object store polled (``ray memory --stats-only``'s figure)
+
+Every figure and the ratios (ours / (CPUs x single-core limit), ours / best peer) go into a
+JSON file; a table goes to stderr. A failed or timed-out measurement is recorded as an error
+in its section; the harness goes on. Speed targets are reported (``meets_target``), never
+asserted: timings belong here, not in tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+from typing import Any
+
+from benchmarks.corpus import BenchSpec, make_spec
+from benchmarks.measure import RunResult, run_measured
+
+__all__ = ["bench_command", "format_table", "run_bench"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS_VERSION = 1
+TARGET_OF_LIMIT = 0.8  # the issue's target: ours >= 0.8 x (CPUs x single-core tokenizer)
+STEP_TIME_FACTOR = 1.25  # the simulated training step, relative to our time per batch
+# Per-subprocess deadlines. A full demo run takes ~20 s here; quick runs take a few seconds
+# each plus startup. Generous, so that a loaded machine is slow but never cut off.
+TIMEOUT_S = {"full": 900.0, "quick": 120.0}
+PEERS = ("grain", "grain_mp", "ray_data")
+PEER_TITLES = {"grain": "grain, 1 process", "grain_mp": "grain mp_prefetch({cpus})",
+               "ray_data": "Ray Data ({cpus} CPUs)"}
+# The sections every results file has (the smoke test checks them).
+SECTIONS = ("machine", "versions", "setting", "limit", "ours", "peers", "host_assembly",
+            "training_step", "ratios")
+
+
+def _log(msg: str) -> None:
+    print(f"ingest bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # benchmarks/ is not an installed package: the measured programs import it from here.
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # Each run starts, and is timed with, its own local cluster on loopback (FACTS.md). Ray
+    # reads this variable when it is imported, so it must be in the environment from the start.
+    env.pop("RAY_ADDRESS", None)
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return env
+
+
+def _section(result: RunResult, what: str) -> dict[str, Any]:
+    """The program's JSON plus its wall time and memory, or an error naming what failed."""
+    if not result.ok:
+        _log(f"{what} failed: {result.error()}")
+        return {"error": f"{what} {result.error()}", "command": " ".join(result.command)}
+    out = dict(result.summary)
+    out["wall_s"] = result.wall_s
+    if result.memory is not None:
+        out["memory"] = result.memory
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    import psutil
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                         "")
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model,
+            "memory_bytes": psutil.virtual_memory().total, "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_start": os.getloadavg()}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("ingest", "jax", "jaxlib", "grain", "ray", "pyarrow", "numpy", "tiktoken",
+                 "tokenizers", "pandas"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def _ours_section(out: dict[str, Any], spec: BenchSpec) -> dict[str, Any]:
+    if "error" in out:
+        return out
+    keep = ("steps", "tokens", "tokens_per_s", "startup_s", "stall_fraction", "wait_max_s",
+            "workers", "backend", "streams", "padding_rows", "padding_tokens", "documents",
+            "restarts", "object_store_bytes_bound", "object_store_bytes_peak",
+            "rows_per_s_by_worker", "wall_s", "memory")
+    out = {k: out[k] for k in keep if k in out}
+    span = out["tokens"] / out["tokens_per_s"] if out.get("tokens_per_s") else 0.0
+    out["tokens_per_s_with_startup"] = (out["tokens"] / (out["startup_s"] + span)
+                                        if span else 0.0)
+    out["seconds_per_batch"] = span / out["steps"] if out.get("steps") else 0.0
+    out["command"] = "ingest run CONFIG --json --no-progress" + (
+        f" --steps {spec.steps}" if spec.steps else "")
+    return out
+
+
+def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
+    ours = results["ours"]
+    limit = results["limit"].get("tokenizer", {})
+    produce = results["limit"].get("produce", {})
+    out: dict[str, Any] = {"target_of_limit": TARGET_OF_LIMIT}
+    if "tokens_per_s" not in ours:
+        out["error"] = "our run failed; no ratio"
+        return out
+    if "tokens_per_s" in limit:
+        out["ours_over_cpus_x_limit"] = ours["tokens_per_s"] / (cpus * limit["tokens_per_s"])
+        out["meets_target"] = out["ours_over_cpus_x_limit"] >= TARGET_OF_LIMIT
+    if "tokens_per_s" in produce:
+        # How much of the gap is the worker's own code path, how much the orchestration.
+        out["produce_over_limit"] = produce["tokens_per_s"] / limit.get("tokens_per_s", 0) \
+            if "tokens_per_s" in limit else None
+        out["ours_over_cpus_x_produce"] = ours["tokens_per_s"] / (cpus * produce["tokens_per_s"])
+    ok = {n: p for n, p in results["peers"].items() if "tokens_per_s" in p}
+    out["ours_over_each_peer"] = {n: ours["tokens_per_s"] / p["tokens_per_s"]
+                                  for n, p in ok.items() if p["tokens_per_s"] > 0}
+    out["ours_over_each_peer_with_startup"] = {
+        n: ours["tokens_per_s_with_startup"] / p["tokens_per_s_with_startup"]
+        for n, p in ok.items() if p["tokens_per_s_with_startup"] > 0}
+    # A rate from the first batch on is not a production rate when the batches came in a
+    # burst (benchmarks.peers) or faster than every CPU could tokenize: the batches were made
+    # before the first one. Such a peer is left out of the best peer by that measure, and named.
+    ceiling = cpus * limit["tokens_per_s"] if "tokens_per_s" in limit else float("inf")
+    steady = {n: p for n, p in ok.items()
+              if not p.get("bursty") and p["tokens_per_s"] <= ceiling}
+    out["bursty_peers"] = sorted(set(ok) - set(steady))
+    if steady:
+        best = max(steady, key=lambda n: steady[n]["tokens_per_s"])
+        out.update(best_peer=best, ours_over_best_peer=out["ours_over_each_peer"][best])
+    if ok:
+        best_s = max(ok, key=lambda n: ok[n]["tokens_per_s_with_startup"])
+        out.update(best_peer_with_startup=best_s,
+                   ours_over_best_peer_with_startup=(
+                       out["ours_over_each_peer_with_startup"][best_s]))
+    return out
+
+
+class _Runner:
+    """Runs the measured programs of one benchmark, all with the same spec, env and deadline."""
+
+    def __init__(self, spec: BenchSpec, tmp: str):
+        self.spec = spec
+        self.timeout = TIMEOUT_S["quick" if spec.quick else "full"]
+        self.env = _child_env()  # taken once: the sampler may add RAY_AUTH_MODE to this process
+        self.spec_path = os.path.join(tmp, "spec.json")
+        spec.save(self.spec_path)
+        steps = ["--steps", str(spec.steps)] if spec.steps else []
+        self.run_args = ["run", spec.write_run_config(os.path.join(tmp, "run.yaml")), "--json",
+                         "--no-progress", *steps]
+
+    def program(self, module: str, args: list[str], what: str, *, timeout_s: float | None = None,
+                poll_object_store: bool = False) -> dict[str, Any]:
+        result = run_measured([sys.executable, "-m", module, *args],
+                              timeout_s=timeout_s or self.timeout, env=self.env, cwd=ROOT,
+                              poll_object_store=poll_object_store)
+        return _section(result, what)
+
+    def limits(self) -> dict[str, Any]:
+        out = {}
+        for what, key in (("tokenizer", "tokenizer"), ("other", "other_backend"),
+                          ("parquet", "parquet"), ("produce", "produce")):
+            _log(f"limit: {key} on one core")
+            out[key] = self.program("benchmarks.limit", [what, "--spec", self.spec_path],
+                                    f"limit {key}")
+        return out
+
+    def ours(self) -> dict[str, Any]:
+        _log(f"ours: ingest run, ray backend, {self.spec.cpus} workers")
+        out = self.program("jax_side.run", self.run_args, "ingest run")
+        return _ours_section(out, self.spec)
+
+    def training_step(self, per_batch: float | None) -> dict[str, Any]:
+        if not per_batch:
+            return {"error": "needs our run's time per batch, and that run failed"}
+        step_time = STEP_TIME_FACTOR * per_batch
+        _log(f"training step: ingest run --step-time {step_time:.4f}")
+        # The sleeps add up to steps x step_time: the deadline grows with them.
+        deadline = self.timeout + 2 * (self.spec.steps or 2000) * step_time
+        # Ray's object-store figure is polled here, not in the throughput runs: each poll has
+        # the raylet query every worker, which cost ours about 15% of its rate on 2 CPUs.
+        out = self.program("jax_side.run", [*self.run_args, "--step-time", f"{step_time:.6f}"],
+                           "ingest run --step-time", timeout_s=deadline, poll_object_store=True)
+        out = {k: out[k] for k in ("error", "command", "steps", "tokens", "tokens_per_s",
+                                   "stall_fraction", "wait_s", "wait_max_s", "startup_s",
+                                   "wall_s", "memory") if k in out}
+        out.update(step_time_s=step_time, step_time_factor=STEP_TIME_FACTOR,
+                   pipeline_seconds_per_batch=per_batch)
+        return out
+
+    def peers(self) -> dict[str, Any]:
+        out = {}
+        for name in PEERS:
+            _log(f"peer: {name}")
+            out[name] = self.program("benchmarks.peers", [name, "--spec", self.spec_path],
+                                     f"peer {name}")
+        return out
+
+    def host_assembly(self, per_batch: float | None) -> dict[str, Any]:
+        _log("host assembly of one global batch")
+        out = self.program("benchmarks.assembly", ["--spec", self.spec_path], "host assembly")
+        if per_batch and "assembly_us" in out:
+            out["fraction_of_our_batch_time"] = out["assembly_us"] * 1e-6 / per_batch
+        return out
+
+
+def run_bench(config: str | None, *, quick: bool, steps: int | None,
+              command: str) -> dict[str, Any]:
+    """Runs every measurement; returns the results (see ``SECTIONS``)."""
+    spec = make_spec(config, quick=quick, steps=steps)
+    results: dict[str, Any] = {
+        "version": RESULTS_VERSION, "mode": "quick" if quick else "full", "command": command,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _machine(), "versions": _versions(),
+        "setting": {"config": config or "(built-in demo)", "files": list(spec.files),
+                    "text_column": spec.text_column, "tokenizer": spec.tokenizer,
+                    "seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size,
+                    "num_streams": spec.num_streams, "cpus": spec.cpus,
+                    "steps": spec.steps or "one epoch",
+                    **{k: spec.config[k] for k in ("packing", "chunk_rows", "prefetch",
+                                                   "unit_rows")}},
+    }
+    with tempfile.TemporaryDirectory(prefix="ingest-bench-") as tmp:
+        runner = _Runner(spec, tmp)
+        results["limit"] = runner.limits()
+        results["ours"] = runner.ours()
+        per_batch = results["ours"].get("seconds_per_batch")
+        results["training_step"] = runner.training_step(per_batch)
+        results["peers"] = runner.peers()
+        results["host_assembly"] = runner.host_assembly(per_batch)
+    results["machine"]["load_average_end"] = os.getloadavg()
+    results["ratios"] = _ratios(results, spec.cpus)
+    return results
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def _tok(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / 1e6:.2f} M" if x >= 1e5 else f"{x:,.0f}"
+
+
+def _mib(x: float | None) -> str:
+    return "-" if not x else f"{x / 2**20:,.0f}"
+
+
+def _mem(section: dict[str, Any]) -> str:
+    m = section.get("memory") or {}
+    if not m:
+        return "-"
+    return (f"{_mib(m['host']['peak_bytes'])} / {_mib(m['workers']['peak_bytes'])} / "
+            f"{_mib(m['total_peak_bytes'])}")
+
+
+def _cpu_table(r: dict[str, Any]) -> str:
+    """Where the CPU went during each run, and what other programs took meanwhile."""
+    w = (34, 8, 8, 9, 11, 15)
+    head = ("CPU seconds", "wall", "host", "workers", "Ray system", "other programs")
+    lines = ["  ".join(h.ljust(n) for h, n in zip(head, w, strict=True))]
+    runs = [("ours", r["ours"]), ("training step run", r["training_step"]),
+            *r["peers"].items()]
+    for name, sec in runs:
+        m = sec.get("memory")
+        if not m or "cpu_s" not in m:
+            continue
+        c = m["cpu_s"]
+        cells = (name, f"{m['wall_s']:.1f}", f"{c['host']:.1f}", f"{c['workers']:.1f}",
+                 f"{c['ray_system'] + c['ray_idle_workers']:.1f}",
+                 f"{m['other_programs_cpu_s']:.1f}")
+        lines.append("  ".join(x.ljust(n) for x, n in zip(cells, w, strict=True)))
+    return "\n".join(lines)
+
+
+def format_table(r: dict[str, Any]) -> str:
+    """The results as a plain-text table (the same one RESULTS.md shows)."""
+    cpus = r["setting"]["cpus"]
+    s = r["setting"]
+    lines = [f"ingest bench ({r['mode']}): {len(s['files'])} file(s), tokenizer {s['tokenizer']}, "
+             f"seq_len {s['seq_len']}, batch {s['global_batch_size']}, {cpus} CPUs, "
+             f"steps {s['steps']}"]
+    load = r["machine"].get("load_average_start", (0,))[0]
+    if load > 0.5:
+        lines.append(f"WARNING: load average {load:.1f} at start: another program was busy, so "
+                     f"these figures are noisy (provisional)")
+    w = (34, 14, 16, 10, 22)
+    head = ("pipeline", "tokens/s", "tok/s w/ startup", "startup s", "peak RSS MiB h/w/total")
+    lines += ["", "  ".join(h.ljust(n) for h, n in zip(head, w, strict=True)),
+              "  ".join("-" * n for n in w)]
+
+    def row(name: str, sec: dict[str, Any], note: str = "") -> None:
+        if "error" in sec:
+            lines.append(f"{name.ljust(w[0])}  error: {sec['error'][:160]}")
+            return
+        cells = (name, _tok(sec.get("tokens_per_s")), _tok(sec.get("tokens_per_s_with_startup")),
+                 f"{sec['startup_s']:.2f}" if "startup_s" in sec else "-", _mem(sec))
+        lines.append("  ".join(c.ljust(n) for c, n in zip(cells, w, strict=True))
+                     + (f"  {note}" if note else ""))
+
+    lim = r["limit"]
+    tok = lim.get("tokenizer", {})
+    row(f"tokenizer limit, 1 core ({tok.get('backend', '?')})", tok)
+    if "tokens_per_s" in tok:
+        lines.append(f"{'  x ' + str(cpus) + ' CPUs':<{w[0]}}  {_tok(cpus * tok['tokens_per_s'])}")
+    other = lim.get("other_backend", {})
+    if "skipped" in other:
+        lines.append(f"{'other tokenizer backend':<{w[0]}}  skipped: {other['skipped']}")
+    else:
+        fast = other.get("encode_batch_fast", {})
+        note = ""
+        if "encode_batch" in other:
+            note = f"encode_batch (with offsets): {_tok(other['encode_batch']['tokens_per_s'])}"
+        row("HF tokenizers, 1 core", {**other, **({"tokens_per_s": fast["tokens_per_s"]}
+                                                  if fast else {})}, note)
+    prod = lim.get("produce", {})
+    frac = (prod.get("profile") or {}).get("fractions") or {}
+    row("our Stream.produce, 1 core", prod,
+        "time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in
+                             sorted(frac.items(), key=lambda kv: -kv[1])) if frac else "")
+    pq_ = lim.get("parquet", {})
+    if "error" in pq_:
+        row("Parquet read, 1 core", pq_)
+    else:
+        lines.append(f"{'Parquet read, 1 core':<{w[0]}}  {pq_['bytes_per_s'] / 1e6:,.0f} MB/s of "
+                     f"text, {pq_['documents_per_s']:,.0f} docs/s (into Python str; Arrow only: "
+                     f"{pq_['arrow']['bytes_per_s'] / 1e6:,.0f} MB/s)")
+    lines.append("")
+    ours = r["ours"]
+    store = ((r["training_step"].get("memory") or {}).get("object_store") or {})
+    note = ""
+    if "stall_fraction" in ours:
+        note = (f"stall {100 * ours['stall_fraction']:.0f}% (no step); object store: feed's "
+                f"peak {_mib(ours.get('object_store_bytes_peak'))} MiB (bound "
+                f"{_mib(ours.get('object_store_bytes_bound'))}), Ray's used peak "
+                f"{_mib(store.get('used_peak_bytes'))} MiB (step run)")
+    row(f"ours: ray, {cpus} workers", ours, note)
+    for name, sec in r["peers"].items():
+        note = ""
+        if name in r["ratios"].get("bursty_peers", ()):
+            why = (f"batches came in bursts (median gap {sec['median_gap_s'] * 1e3:.1f} ms, "
+                   f"mean {sec['mean_gap_s'] * 1e3:.1f} ms)" if sec.get("bursty") else
+                   f"faster than {cpus} CPUs can tokenize")
+            note = f"{why}: its tokens/s from the first batch counts batches made before it"
+        row(PEER_TITLES[name].format(cpus=cpus), sec, note)
+    lines += ["", _cpu_table(r)]
+    lines.append("")
+    a = r["host_assembly"]
+    if "error" in a:
+        lines.append(f"host assembly: error: {a['error'][:160]}")
+    else:
+        frac_batch = a.get("fraction_of_our_batch_time")
+        lines.append(
+            f"host assembly of one batch ({a['batch_bytes'] / 2**20:.2f} MiB, {a['devices']} "
+            f"device(s)): {a['assembly_us'] / 1e3:.3f} ms = {a['assembly_over_np_copy']:.0f} x "
+            f"np.copy ({a['np_copy_us'] / 1e3:.3f} ms); row copies {a['row_copy_us'] / 1e3:.3f} "
+            f"ms, 6 x make_array {a['make_array_us'] / 1e3:.3f} ms"
+            + (f"; {100 * frac_batch:.1f}% of our time per batch" if frac_batch else ""))
+    st = r["training_step"]
+    if "error" in st:
+        lines.append(f"training step: error: {st['error'][:160]}")
+    else:
+        lines.append(f"training step of {st['step_time_s'] * 1e3:.2f} ms ({st['step_time_factor']}"
+                     f" x our {st['pipeline_seconds_per_batch'] * 1e3:.2f} ms per batch): stall "
+                     f"{100 * st['stall_fraction']:.1f}%")
+    ra = r["ratios"]
+    if "ours_over_cpus_x_limit" in ra:
+        lines.append(f"ours / ({cpus} x single-core limit) = {ra['ours_over_cpus_x_limit']:.2f} "
+                     f"(target {ra['target_of_limit']}: "
+                     f"{'met' if ra['meets_target'] else 'missed'})"
+                     + (f"; our produce / limit = {ra['produce_over_limit']:.2f}, ours / ({cpus} x"
+                        f" our produce) = {ra['ours_over_cpus_x_produce']:.2f}"
+                        if ra.get("produce_over_limit") else ""))
+    if "best_peer" in ra:
+        lines.append(f"ours / best peer = {ra['ours_over_best_peer']:.2f} ({ra['best_peer']}, "
+                     f"tokens/s from the first batch"
+                     + (f"; bursty peers left out: {', '.join(ra['bursty_peers'])}"
+                        if ra["bursty_peers"] else "") + ")")
+    if "best_peer_with_startup" in ra:
+        lines.append(f"ours / best peer counting startup = "
+                     f"{ra['ours_over_best_peer_with_startup']:.2f} "
+                     f"({ra['best_peer_with_startup']})")
+    return "\n".join(lines)
+
+
+def bench_command(args) -> int:
+    """The ``ingest bench`` command: runs, prints the table, writes the JSON."""
+    parts = ["ingest", "bench"] + ([args.config] if args.config else []) + (
+        ["--quick"] if args.quick else []) + (["--steps", str(args.steps)] if args.steps else [])
+    out = args.out or os.path.join(HERE, "results-quick.json" if args.quick else "results.json")
+    results = run_bench(args.config, quick=args.quick, steps=args.steps, command=" ".join(parts))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(format_table(results), file=sys.stderr)
+    print(f"ingest bench: results in {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    return 0

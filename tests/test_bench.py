@@ -1,0 +1,103 @@
+"""The benchmark harness: `ingest bench --quick` end to end, and the Ray Data peer's packing.
+
+The smoke test runs the real command as a subprocess (it starts its own Ray clusters, grain
+processes and JAX processes) and checks that the results file has every section with positive
+figures. It asserts no speed: speed targets live in benchmarks/, never in timed tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ingest.pack import concat_rows
+from ingest.shift import FIELDS, shift_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
+
+from benchmarks.bench import SECTIONS  # noqa: E402
+from benchmarks.peers import pack_rows  # noqa: E402
+
+# `--quick` takes about a minute on a quiet 2-CPU machine; the deadline allows for a shared one.
+TIMEOUT_S = 600
+
+
+def _positive(section: dict, *keys: str) -> None:
+    for key in keys:
+        value = section
+        for part in key.split("."):
+            value = value[part]
+        assert isinstance(value, int | float) and value > 0, f"{key}={value!r} is not positive"
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "jax_side.run", "bench", "--quick", "--json", "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s; stderr so far:\n{e.stderr}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    results = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == results
+    for name in SECTIONS:
+        assert name in results, f"section {name!r} missing"
+    failed = {k: v["error"] for k, v in [*results["limit"].items(), *results["peers"].items(),
+                                         ("ours", results["ours"]),
+                                         ("host_assembly", results["host_assembly"]),
+                                         ("training_step", results["training_step"])]
+              if "error" in v}
+    assert not failed, f"measurements failed: {failed}"
+
+    limit = results["limit"]
+    _positive(limit["tokenizer"], "tokens_per_s", "tokens", "documents")
+    _positive(limit["other_backend"], "tokens_per_s", "encode_batch.tokens_per_s")
+    assert limit["other_backend"]["ids_differ_in_documents"] == 0
+    _positive(limit["parquet"], "bytes_per_s", "documents_per_s", "arrow.bytes_per_s")
+    _positive(limit["produce"], "tokens_per_s", "profile.fractions.tokenize")
+
+    ours = results["ours"]
+    _positive(ours, "tokens_per_s", "tokens_per_s_with_startup", "startup_s", "steps", "tokens",
+              "seconds_per_batch", "object_store_bytes_peak", "memory.host.peak_bytes",
+              "memory.workers.peak_bytes", "memory.total_peak_bytes")
+    assert ours["workers"] == results["setting"]["cpus"]
+    assert 0 <= ours["stall_fraction"] <= 1
+
+    for name, peer in results["peers"].items():
+        _positive(peer, "tokens_per_s", "tokens_per_s_with_startup", "startup_s", "steps",
+                  "tokens", "memory.host.peak_bytes")
+        assert peer["steps"] == results["setting"]["steps"], name
+
+    _positive(results["host_assembly"], "assembly_us", "np_copy_us", "make_array_us",
+              "row_copy_us", "assembly_over_np_copy")
+    step = results["training_step"]
+    _positive(step, "step_time_s", "pipeline_seconds_per_batch", "steps")
+    assert 0 <= step["stall_fraction"] <= 1
+    store = step["memory"]["object_store"]  # Ray's own figure: best effort, else a reason
+    assert store["polls_ok"] > 0 or store.get("error")
+    _positive(results["ratios"], "ours_over_cpus_x_limit", "ours_over_best_peer_with_startup")
+    assert set(results["ratios"]["ours_over_each_peer"]) == set(results["peers"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ray_data_peer_packs_the_rows_our_stream_packs(seed):
+    """The Ray Data peer's UDF does our work (concat, left shift, masks), not less."""
+    rng = np.random.default_rng(seed)
+    seq_len, eos = 16, 99
+    docs = [rng.integers(0, 90, size=int(n), dtype=np.int32) for n in rng.integers(1, 40, 12)]
+    theirs = pack_rows(docs, eos, seq_len)
+    flat = np.concatenate([np.append(d, eos) for d in docs]).astype(np.int32)
+    starts = np.concatenate([np.eye(1, len(d) + 1, dtype=bool)[0] for d in docs])
+    n = len(theirs["inputs"])
+    assert n == (len(flat) - 1) // seq_len
+    ours = shift_rows(*concat_rows(flat, starts, n, seq_len, seq_len + 1), shift="left",
+                      predict_across_documents=False, eos_id=eos)
+    for i, field in enumerate(FIELDS):
+        np.testing.assert_array_equal(theirs[field], ours[i], err_msg=field)

@@ -1,0 +1,44 @@
+"""What the project starts listens on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROBE = r"""
+import argparse, json, psutil
+from jax_side.run import prepare_environment, start_ray
+args = argparse.Namespace(address=None)
+prepare_environment(args)          # what main() does first
+start_ray(None, num_cpus=1)
+import ray
+me = psutil.Process()
+addrs = set()
+for p in [me] + me.children(recursive=True):
+    try:
+        for c in p.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                addrs.add(c.laddr.ip)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+ray.shutdown()
+print(json.dumps(sorted(addrs)))
+"""
+
+
+def test_a_cluster_that_ingest_run_starts_listens_on_loopback_only():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    addrs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert addrs, "found no listening socket: the probe is broken"
+    assert set(addrs) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, f"Ray listens on {addrs}"
