@@ -408,43 +408,27 @@ class Stream:
             self._batch_next = None
             return
         s = self._state
-        num_bins = 1 if c.packing == "none" else c.packing_bins
         pieces: list[np.ndarray] = []
         where: list[tuple[int, int, int]] = []  # (loaded index, rel doc, offset)
+        bins: list[list[int]] = []
+        consumed = 0
         i, rel, off = 0, s.doc - head.first_doc, s.offset
-        consumed = None
         while True:
             u = self._unit_after(i) if i else head
             if u is None:
-                break
+                break  # The data ends inside this batch.
             p, h = self._pieces(u, rel, off)
             pieces += p
             where += [(i, d, o) for d, o in h]
             if c.packing == "none":
-                if len(pieces) >= 2:
-                    bins, consumed = [[0]], 1
-                    break
+                bins, consumed = ([[0]], 1) if pieces else ([], 0)
             else:
                 bins, consumed = assign_bins(np.array([len(x) for x in pieces], np.int64),
-                                             c.seq_len, num_bins, c.packing == "best_fit")
-                if consumed < len(pieces):
-                    break
+                                             c.seq_len, c.packing_bins, c.packing == "best_fit")
+            if consumed < len(pieces):
+                break
             i, rel, off = i + 1, 0, 0
-        if consumed is None or consumed >= len(pieces):
-            # The data ended inside this batch.
-            if c.packing == "none":
-                bins = [[j] for j in range(len(pieces))][:1]
-                consumed = min(1, len(pieces))
-                self._batch_next = where[1] if len(pieces) > 1 else None
-            else:
-                if pieces:
-                    bins, consumed = assign_bins(np.array([len(x) for x in pieces], np.int64),
-                                                 c.seq_len, num_bins, c.packing == "best_fit")
-                else:
-                    bins, consumed = [], 0
-                self._batch_next = None
-        else:
-            self._batch_next = where[consumed]
+        self._batch_next = where[consumed] if consumed < len(pieces) else None
         self._batch = fill_bins(pieces, bins, self._width())
 
     def _produce_bins(self, n_rows: int):

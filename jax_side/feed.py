@@ -135,6 +135,8 @@ class HostFeed:
         self._device_prefetch = device_prefetch
         self._timeout = get_timeout_s
         self._cursors = {s: _Cursor() for s in self._rows.streams}
+        # Constant for the feed; computed once (it was a sixth of the host's per-step cost).
+        self._fingerprints = (config.fingerprint(), config.output_fields())
         self._step = 0
         self._state = self._snapshot()
         self._source = None
@@ -162,9 +164,6 @@ class HostFeed:
         return self._rows.streams
 
     def _snapshot(self) -> dict[str, Any]:
-        if not hasattr(self, "_fingerprints"):
-            # Constant for the feed; computed once (it was a sixth of the host's per-step cost).
-            self._fingerprints = (self.config.fingerprint(), self.config.output_fields())
         return {
             "version": HOST_STATE_VERSION,
             "config_fingerprint": self._fingerprints[0],

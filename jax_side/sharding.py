@@ -11,6 +11,7 @@ and host h owns s when all of those rows land on h's devices::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -84,12 +85,6 @@ def host_rows(sharding: NamedSharding, global_batch_size: int, seq_len: int,
             f"{dict(mesh.shape)} with rows split over {spec[0]!r}: a stream would straddle two "
             f"hosts. Choose num_streams so that global_batch_size / num_streams divides the "
             f"{stop - start} rows per process (e.g. "
-            f"num_streams={global_batch_size // _gcd(k, stop - start)}), or a mesh that gives "
+            f"num_streams={global_batch_size // math.gcd(k, stop - start)}), or a mesh that gives "
             f"each process a multiple of {k} rows")
     return HostRows(start, stop, tuple(range(start // k, stop // k)))
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
