@@ -29,7 +29,7 @@ from actors.worker import StreamWorker, WorkerError
 from ingest.config import Config
 from ingest.errors import StreamError
 from ingest.plan import UnitPlan
-from ingest.stream import Chunk, Stream
+from ingest.stream import Chunk, open_stream
 
 __all__ = ["WorkerPool"]
 
@@ -359,7 +359,7 @@ class WorkerPool:
     def _where_is(self, s: int) -> str:
         """The file and row at stream ``s``'s resume position, for error messages."""
         state, skip = self._resume[s]
-        stream = Stream(self._config, self._plan, s)
+        stream = open_stream(self._config, self._plan, s)
         if state is not None:
             stream.set_state(state)
         where = stream.describe_head()

@@ -16,7 +16,7 @@ from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
-from ingest.stream import Chunk, Stream
+from ingest.stream import Chunk, Stream, open_stream
 
 __all__ = ["WORKER_ENV", "StreamWorker"]
 
@@ -81,7 +81,7 @@ class StreamWorker:
     def open(self, stream_id: int, state: dict[str, Any] | None,
              skip_rows: int = 0) -> int | WorkerError:
         """Opens (or reopens) a stream at ``state``, then drops ``skip_rows`` rows."""
-        s = Stream(self._config, self._plan, stream_id)
+        s = open_stream(self._config, self._plan, stream_id)
         if state is not None:
             out = self._call(stream_id, s.set_state, state)
             if isinstance(out, WorkerError):

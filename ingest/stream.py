@@ -29,7 +29,7 @@ from ingest.shift import shift_rows
 from ingest.sources import BAD_REASONS, decode_texts, read_texts
 from ingest.tokenize import Tokenizer, load_tokenizer
 
-__all__ = ["Chunk", "Stream", "StreamState"]
+__all__ = ["Chunk", "Stream", "StreamState", "open_stream"]
 
 STATE_VERSION = 1
 
@@ -459,3 +459,10 @@ class Stream:
             return self._empty()
         return tuple(np.concatenate([o[j] for o in out]) for j in range(3))
 
+
+
+def open_stream(config: Config, plan: UnitPlan, stream_id: int,
+                tokenizer: Tokenizer | None = None) -> Stream:
+    """The stream ``stream_id`` of the config: the one constructor workers, the local backend
+    and tools use, so every kind of stream (text, mixture, replay) is built the same way."""
+    return Stream(config, plan, stream_id, tokenizer)

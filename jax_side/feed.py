@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from ingest.config import Config
 from ingest.plan import UnitPlan, build_plan
 from ingest.shift import FIELDS
-from ingest.stream import Chunk, Stream
+from ingest.stream import Chunk, open_stream
 from ingest.tokenize import load_tokenizer
 from jax_side.multihost import EndAgreement
 from jax_side.sharding import host_rows
@@ -38,7 +38,7 @@ class LocalSource:
 
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int]):
         self._config = config
-        self._streams = {s: Stream(config, plan, s) for s in stream_ids}
+        self._streams = {s: open_stream(config, plan, s) for s in stream_ids}
         self.num_workers = 0
         self.wait_s = 0.0
 
