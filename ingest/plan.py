@@ -131,6 +131,16 @@ def build_plan(config: Config) -> UnitPlan:
         raise ValueError(f"the corpus is empty: sources {srcs} hold no rows"
                          + (f" ({len(skipped)} file(s) skipped as bad)" if skipped else "")
                          + "; point sources[].paths at files with data")
+    if len(config.sources) > 1:
+        # A mixture deals each source's units to every stream: each needs num_streams units.
+        short = [(si, n) for si in range(len(config.sources))
+                 if (n := sum(u.source == si for u in units)) < config.num_streams]
+        if short:
+            raise ValueError(
+                "in a mixture every source's units are dealt to all num_streams="
+                f"{config.num_streams} streams, but " + ", ".join(
+                    f"sources[{si}] has {n} unit(s)" for si, n in short)
+                + f"; lower unit_rows (now {config.unit_rows}) or num_streams, or add data")
     if len(units) < config.num_streams:
         raise ValueError(
             f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: some streams "
@@ -147,12 +157,22 @@ def build_plan(config: Config) -> UnitPlan:
 
 
 def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
-               shuffle: bool) -> list[list[int]]:
-    """The unit indices each stream reads in ``epoch``, in reading order."""
-    n = len(plan.units)
-    nbytes = np.fromiter((u.nbytes for u in plan.units), dtype=np.int64, count=n)
+               shuffle: bool, source: int | None = None) -> list[list[int]]:
+    """The unit indices each stream reads in ``epoch``, in reading order.
+
+    ``source`` deals only that source's units (the streams of one mixture component); None
+    deals every unit (sources pooled).
+    """
+    ids = np.arange(len(plan.units))
+    if source is not None:
+        ids = ids[np.fromiter((u.source == source for u in plan.units), dtype=bool,
+                              count=len(plan.units))]
+    n = len(ids)
+    nbytes = np.fromiter((plan.units[i].nbytes for i in ids.tolist()), dtype=np.int64, count=n)
+    # Keys of pooled plans stay as they were, so their batches do not change.
+    key = () if source is None else (source,)
     if shuffle:
-        order = philox(seed, epoch, 0x0D3A1).permutation(n)
+        order = philox(seed, epoch, 0x0D3A1, *key).permutation(n)
         size_class = np.floor(np.log2(np.maximum(nbytes[order], 1))).astype(np.int64)
         order = order[np.argsort(-size_class, kind="stable")]
     else:
@@ -161,11 +181,11 @@ def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
     dealt: list[list[int]] = [[] for _ in range(num_streams)]
     for u in order.tolist():
         load, s = heapq.heappop(heap)
-        dealt[s].append(u)
+        dealt[s].append(int(ids[u]))
         heapq.heappush(heap, (load + int(nbytes[u]), s))
     if shuffle:
         # Sorted first, so a stream's reading order depends only on the units it holds, not
         # on the byte estimates that ordered the deal.
-        dealt = [[units[i] for i in philox(seed, epoch, 0x0D3A2, s).permutation(len(units))]
+        dealt = [[units[i] for i in philox(seed, epoch, 0x0D3A2, s, *key).permutation(len(units))]
                  for s, units in enumerate(sorted(d) for d in dealt)]
     return dealt

@@ -127,12 +127,13 @@ class Stream:
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_id: int,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, *, source: int | None = None):
         if not 0 <= stream_id < config.num_streams:
             raise ValueError(f"stream_id={stream_id} outside [0, num_streams={config.num_streams})")
         self.config = config
         self.plan = plan
         self.stream_id = stream_id
+        self.source = source  # None: every source's units, pooled; else one mixture component
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
         self._deals: dict[int, list[int]] = {}
         self.set_state(StreamState().to_json())
@@ -154,7 +155,8 @@ class Stream:
         if epoch not in self._deals:
             c = self.config
             self._deals = {epoch: deal_units(self.plan, num_streams=c.num_streams, seed=c.seed,
-                                             epoch=epoch, shuffle=c.shuffle)[self.stream_id]}
+                                             epoch=epoch, shuffle=c.shuffle,
+                                             source=self.source)[self.stream_id]}
         return self._deals[epoch]
 
     def _next_pos(self, epoch: int, pos: int) -> tuple[int, int] | None:
@@ -465,4 +467,8 @@ def open_stream(config: Config, plan: UnitPlan, stream_id: int,
                 tokenizer: Tokenizer | None = None) -> Stream:
     """The stream ``stream_id`` of the config: the one constructor workers, the local backend
     and tools use, so every kind of stream (text, mixture, replay) is built the same way."""
+    if len(config.sources) > 1:
+        from ingest.mixture import MixedStream  # noqa: PLC0415 (mixture imports this module)
+
+        return MixedStream(config, plan, stream_id, tokenizer)
     return Stream(config, plan, stream_id, tokenizer)

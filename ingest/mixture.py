@@ -1,0 +1,243 @@
+"""Mixtures: one stream drawing rows from several sources in proportion to their weights.
+
+With several ``sources``, every stream ``s`` runs one component per source (a ``Stream`` over
+that source's units only, dealt to the ``num_streams`` streams like any plan) and takes each
+next row from the component that is furthest behind its share, in tokens::
+
+    weights 3 : 1          tokens taken / weight        next row from
+    row 0                  a 0/3    b 0/1               a  (ties: lowest index)
+    row 1                  a 1024/3 b 0/1               b
+    row 2                  a 341    b 1024              a
+    row 3                  a 683    b 1024              a
+    row 4                  a 1024   b 1024              a ...  -> 3 of every 4 rows from a
+
+Tokens are the row's non-padding tokens, so the realized proportions follow the weights in
+tokens (within one row) whatever the packing. The choice is a pure function of the tokens
+taken, so it needs no random generator and is exact on resume.
+
+State: for each component the state after its last chunk produced (``base``) and the rows of
+that chunk already taken; the tokens taken per component under the weights in force; totals
+for reporting. Components produce a few rows ahead of the mixture; those rows are rebuilt on
+restore, so the saved state stays positions only.
+
+Changing weights on resume is allowed: every component keeps its position (no document is
+repeated or skipped), and the new weights apply from the resume step on (the tokens taken
+under the old weights are kept in the totals, not in the share). The batches after the resume
+then differ from a run that had the new weights from the start.
+
+A component of finite data (``num_epochs``) that ends drops out; the others go on with their
+weights renormalized, and the mixture ends when every component has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ingest.config import Config
+from ingest.plan import UnitPlan
+from ingest.shift import FIELDS
+from ingest.stream import Chunk, Stream, StreamState
+from ingest.tokenize import Tokenizer, load_tokenizer
+
+__all__ = ["MixedStream", "MixtureState"]
+
+MIXTURE_STATE_VERSION = 1
+_SEG = FIELDS.index("inputs_segmentation")
+# Rows a component produces past the mixture's need, so a chunk of the mixture costs about
+# one call per component rather than one per row.
+_READ_AHEAD_ROWS = 4
+# Counters summed over components into the mixture's state, for the feed's stats.
+_SUMMED = ("documents", "truncated_documents", "truncated_tokens")
+
+
+@dataclasses.dataclass
+class MixtureState:
+    """Where a mixed stream is; JSON at the boundary only.
+
+    Attributes:
+      components: per source, ``{"state": Stream state after its last chunk (None: its
+        start), "taken": rows of that chunk already used}``.
+      weights: the weights the ``credit`` was taken under.
+      credit: tokens taken per source under ``weights``.
+      tokens, rows: tokens and rows taken per source since the start (reported).
+      rows_emitted: rows produced.
+      exhausted: every component has ended.
+    """
+
+    components: list[dict[str, Any]]
+    weights: list[float]
+    credit: list[int]
+    tokens: list[int]
+    rows: list[int]
+    rows_emitted: int = 0
+    exhausted: bool = False
+
+    @classmethod
+    def start(cls, weights: list[float]) -> MixtureState:
+        n = len(weights)
+        return cls([{"state": None, "taken": 0} for _ in range(n)], list(weights), [0] * n,
+                   [0] * n, [0] * n)
+
+
+@dataclasses.dataclass
+class _Component:
+    stream: Stream
+    fields: np.ndarray | None = None  # the last chunk produced, [6, rows, L]
+    state_after: dict[str, Any] | None = None
+    chunk_exhausted: bool = False
+    exhausted: bool = False
+
+
+class MixedStream:
+    """Stream ``stream_id`` of a config with several sources (see the module docstring).
+
+    Same interface as ``ingest.stream.Stream``: ``produce(n)``, ``get_state``/``set_state``,
+    ``describe_head``.
+    """
+
+    def __init__(self, config: Config, plan: UnitPlan, stream_id: int,
+                 tokenizer: Tokenizer | None = None):
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        self.config = config
+        self.plan = plan
+        self.stream_id = stream_id
+        self.tokenizer = tokenizer
+        self._weights = [float(s.weight) for s in config.sources]
+        self._components = [_Component(Stream(config, plan, stream_id, tokenizer, source=i))
+                            for i in range(len(config.sources))]
+        self.set_state(None)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        st = self._state
+        d = dataclasses.asdict(st)
+        d["version"] = MIXTURE_STATE_VERSION
+        d["kind"] = "mixture"
+        # Component counters as of their last chunk, summed for the feed's stats (they run a
+        # few rows ahead of what the mixture has taken; exact once the data ends).
+        subs = [c["state"] or {} for c in st.components]
+        for name in _SUMMED:
+            d[name] = sum(s.get(name, 0) for s in subs)
+        skipped: dict[str, dict[str, int]] = {}
+        skipped_units: dict[str, int] = {}
+        for s in subs:
+            for reason, per_file in s.get("skipped", {}).items():
+                for path, n in per_file.items():
+                    skipped.setdefault(reason, {})[path] = skipped.get(reason, {}).get(path, 0) + n
+            for path, n in s.get("skipped_units", {}).items():
+                skipped_units[path] = skipped_units.get(path, 0) + n
+        d["skipped"], d["skipped_units"] = skipped, skipped_units
+        return d
+
+    def set_state(self, state: dict[str, Any] | None) -> None:
+        """Restores a state from ``get_state`` (None: the start). Weights that differ from the
+        saved ones take effect from here (see the module docstring)."""
+        if state is None:
+            st = MixtureState.start(self._weights)
+        else:
+            d = dict(state)
+            if d.get("kind") != "mixture" or d.get("version") != MIXTURE_STATE_VERSION:
+                raise ValueError(
+                    f"stream {self.stream_id}: the saved state is not a mixture state of version "
+                    f"{MIXTURE_STATE_VERSION} (kind {d.get('kind')!r}, version "
+                    f"{d.get('version')!r}); it was saved with another number of sources")
+            names = {f.name for f in dataclasses.fields(MixtureState)}
+            st = MixtureState(**{k: v for k, v in d.items() if k in names})
+            if len(st.components) != len(self._components):
+                raise ValueError(
+                    f"stream {self.stream_id}: the saved mixture has {len(st.components)} "
+                    f"sources, the config {len(self._components)}; sources cannot be added or "
+                    f"removed on resume")
+            if st.weights != self._weights:
+                st.weights, st.credit = list(self._weights), [0] * len(self._weights)
+        self._state = st
+        for c, saved in zip(self._components, st.components, strict=True):
+            c.stream.set_state(saved["state"] if saved["state"] is not None
+                               else StreamState().to_json())
+            c.fields, c.state_after, c.chunk_exhausted = None, None, False
+            c.exhausted = bool(saved["state"] and saved["state"].get("exhausted")
+                               and saved["taken"] == 0)
+
+    # -- producing -----------------------------------------------------------------------
+
+    def _pick(self) -> int | None:
+        """The live component furthest behind its weight (ties: the lowest index)."""
+        st = self._state
+        best, best_key = None, None
+        for i, c in enumerate(self._components):
+            if c.exhausted:
+                continue
+            key = st.credit[i] / st.weights[i]
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return best
+
+    def _take_row(self, i: int, want: int) -> np.ndarray | None:
+        """The next row of component i (``[6, L]``), or None when it has ended."""
+        c = self._components[i]
+        saved = self._state.components[i]
+        if c.fields is None or saved["taken"] >= c.fields.shape[1]:
+            if c.fields is not None:
+                if c.chunk_exhausted:
+                    c.exhausted = True
+                    return None
+                saved["state"], saved["taken"] = c.state_after, 0
+            # After a restore, the chunk starts at ``base`` and its first ``taken`` rows were
+            # used already.
+            chunk = c.stream.produce(saved["taken"] + want + _READ_AHEAD_ROWS)
+            c.fields, c.state_after, c.chunk_exhausted = (chunk.fields, chunk.state_after,
+                                                          chunk.exhausted)
+            if saved["taken"] >= chunk.num_rows:
+                c.exhausted = True
+                return None
+        row = c.fields[:, saved["taken"]]
+        saved["taken"] += 1
+        return row
+
+    def produce(self, n_rows: int) -> Chunk:
+        """The next ``n_rows`` rows (fewer only when every component has ended)."""
+        if n_rows <= 0:
+            raise ValueError(f"n_rows={n_rows} must be positive")
+        st = self._state
+        L = self.config.seq_len
+        out = np.zeros((len(FIELDS), n_rows, L), dtype=np.int32)
+        total_w = sum(self._weights)
+        got = 0
+        while got < n_rows and not st.exhausted:
+            i = self._pick()
+            if i is None:
+                st.exhausted = True
+                break
+            want = max(1, round((n_rows - got) * self._weights[i] / total_w))
+            row = self._take_row(i, want)
+            if row is None:
+                continue
+            out[:, got] = row
+            tokens = int(np.count_nonzero(row[_SEG]))
+            st.credit[i] += tokens
+            st.tokens[i] += tokens
+            st.rows[i] += 1
+            got += 1
+        if not st.exhausted and all(c.exhausted or self._ended(j)
+                                    for j, c in enumerate(self._components)):
+            st.exhausted = True
+        st.rows_emitted += got
+        return Chunk(self.stream_id, out[:, :got], self.get_state(), st.exhausted)
+
+    def _ended(self, i: int) -> bool:
+        """Component i has no row left beyond those taken (known without producing more)."""
+        c = self._components[i]
+        saved = self._state.components[i]
+        return (c.fields is not None and c.chunk_exhausted
+                and saved["taken"] >= c.fields.shape[1])
+
+    def describe_head(self) -> str:
+        i = self._pick()
+        if i is None:
+            return "the end of its data"
+        return f"sources[{i}]: {self._components[i].stream.describe_head()}"
+

@@ -1,0 +1,158 @@
+"""Mixtures: several weighted sources per stream, proportional in tokens, exact on resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import F, assert_resumes_identically, drain, next_row, write_parquet_corpus
+
+from ingest import Config, SourceConfig, build_plan
+from ingest.stream import Stream, open_stream
+
+SEQ = 32
+
+
+def _corpora(tmp_path, sizes=((6, 24, 8), (4, 24, 8))):
+    """Two sources: short documents (a) and long ones (b)."""
+    paths = []
+    for name, (files, docs, rg), (lo, hi) in zip("ab", sizes, ((1, 12), (20, 60)), strict=False):
+        write_parquet_corpus(tmp_path / name, files, docs, rg, seed=ord(name),
+                             min_words=lo, max_words=hi)
+        paths.append(str(tmp_path / name))
+    return paths
+
+
+def _config(paths, weights, **kw):
+    fields = dict(seq_len=SEQ, global_batch_size=4, num_streams=2, unit_rows=4, seed=3,
+                  num_epochs=None)
+    fields.update(kw)
+    return Config(sources=tuple(SourceConfig(paths=(p,), weight=w)
+                                for p, w in zip(paths, weights, strict=True)), **fields)
+
+
+def _component_rows(config, plan, stream_id, source, n):
+    """The first ``n`` rows component ``source`` of stream ``stream_id`` gives on its own."""
+    s = Stream(config, plan, stream_id, source=source)
+    return s.produce(n).fields
+
+
+def _attribute(mixed: np.ndarray, parts: list[np.ndarray]) -> list[int]:
+    """Which component each mixed row came from, checking that the mixed rows interleave the
+    components' own row sequences in order, none lost or repeated."""
+    at = [0] * len(parts)
+    out = []
+    for r in range(mixed.shape[1]):
+        hits = [i for i, p in enumerate(parts)
+                if at[i] < p.shape[1] and np.array_equal(mixed[:, r], p[:, at[i]])]
+        assert len(hits) == 1, f"row {r} matches components {hits}, expected exactly one"
+        out.append(hits[0])
+        at[hits[0]] += 1
+    return out
+
+
+@pytest.mark.parametrize("weights", [(3.0, 1.0), (1.0, 4.0)])
+def test_mixture_proportions_follow_weights_in_tokens(tmp_path, weights):
+    config = _config(_corpora(tmp_path), weights, packing="first_fit", packing_bins=4)
+    plan = build_plan(config)
+    n = 400
+    mixed = open_stream(config, plan, 1).produce(n).fields
+    parts = [_component_rows(config, plan, 1, i, n) for i in range(2)]
+    owner = np.array(_attribute(mixed, parts))
+    tokens = np.count_nonzero(mixed[F["inputs_segmentation"]], axis=1)
+    share = [tokens[owner == i].sum() / tokens.sum() for i in range(2)]
+    want = [w / sum(weights) for w in weights]
+    assert abs(share[0] - want[0]) < 0.01, (share, want)
+    # The reported totals are the same attribution.
+    state = open_stream(config, plan, 1)
+    state.produce(n)
+    st = state.get_state()
+    assert st["tokens"] == [int(tokens[owner == i].sum()) for i in range(2)]
+    assert st["rows"] == [int((owner == i).sum()) for i in range(2)]
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_mixture_resumes_identically_at_every_row(tmp_path, packing):
+    config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (2.0, 1.0), num_epochs=1,
+                     packing=packing)
+    plan = build_plan(config)
+    run = assert_resumes_identically(lambda: open_stream(config, plan, 0), next_row)
+    assert len(run.outputs) > 10
+
+
+def test_finite_mixture_emits_every_component_row_once(tmp_path):
+    config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (5.0, 1.0), num_epochs=2)
+    plan = build_plan(config)
+    for s in range(config.num_streams):
+        mixed = drain(open_stream(config, plan, s), n_rows=[3, 5, 1])
+        parts = [drain(Stream(config, plan, s, source=i), n_rows=7) for i in range(2)]
+        owner = _attribute(mixed, parts)
+        # Every row of both components, once: the heavy one ran out first, then the other
+        # went on alone.
+        assert [owner.count(i) for i in range(2)] == [p.shape[1] for p in parts]
+
+
+def test_weights_changed_on_resume_keep_every_position(tmp_path):
+    paths = _corpora(tmp_path)
+    before = _config(paths, (1.0, 1.0))
+    after = _config(paths, (9.0, 1.0))
+    plan = build_plan(before)
+    assert before.fingerprint() == after.fingerprint()  # allowed on resume
+    first = open_stream(before, plan, 0)
+    head = first.produce(40).fields
+    state = json.loads(json.dumps(first.get_state()))
+    resumed = open_stream(after, plan, 0)
+    resumed.set_state(state)
+    tail = resumed.produce(200).fields
+    mixed = np.concatenate([head, tail], axis=1)
+    parts = [_component_rows(before, plan, 0, i, 240) for i in range(2)]
+    owner = np.array(_attribute(mixed, parts))  # nothing repeated or skipped at the switch
+    assert abs((owner[:40] == 0).mean() - 0.5) < 0.1
+    tokens = np.count_nonzero(tail[F["inputs_segmentation"]], axis=1)
+    assert abs(tokens[owner[40:] == 0].sum() / tokens.sum() - 0.9) < 0.02
+
+
+def test_a_source_with_too_few_units_for_the_streams_is_refused(tmp_path):
+    paths = _corpora(tmp_path, ((4, 24, 8), (1, 4, 4)))
+    with pytest.raises(ValueError, match=r"sources\[1\] has 1 unit"):
+        build_plan(_config(paths, (1.0, 1.0), num_streams=2))
+
+
+def test_mixed_stream_refuses_a_plain_stream_state(tmp_path):
+    paths = _corpora(tmp_path)
+    plan = build_plan(_config(paths, (1.0, 1.0)))
+    plain = Stream(_config(paths[:1], (1.0,)), build_plan(_config(paths[:1], (1.0,))), 0)
+    with pytest.raises(ValueError, match="not a mixture state"):
+        open_stream(_config(paths, (1.0, 1.0)), plan, 0).set_state(plain.get_state())
+
+
+@pytest.mark.ray
+@pytest.mark.multidevice
+def test_mixture_feed_on_ray_workers_matches_local_and_reports_proportions(ray_cluster,
+                                                                           tmp_path):
+    import jax
+
+    from ingest import BatchDigest
+    from jax_side import HostFeed, batch_sharding
+
+    config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (3.0, 1.0),
+                     global_batch_size=8, num_streams=4, chunk_rows=3, unit_rows=2)
+    plan = build_plan(config)
+    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+    digests, stats = {}, {}
+    for backend in ("local", "ray"):
+        d = BatchDigest()
+        with HostFeed(config, sharding=sharding, backend=backend, plan=plan, workers=2,
+                      get_timeout_s=60) as feed:
+            for _, batch in zip(range(40), feed, strict=False):
+                d.update({k: np.asarray(v) for k, v in batch.items()})
+            stats[backend] = feed.stats()
+        digests[backend] = d.hexdigest()
+    assert digests["local"] == digests["ray"]
+    st = stats["ray"]
+    # Counted as of the last chunk of each stream taken whole: at most a chunk per stream behind.
+    lag = config.num_streams * config.chunk_rows * config.seq_len
+    assert st["tokens"] - lag <= sum(st["tokens_by_source"]) <= st["tokens"]
+    assert st["tokens_by_source"] == stats["local"]["tokens_by_source"]
+    assert len(st["source_proportions"]) == 2 and abs(st["source_proportions"][0] - 0.75) < 0.05
