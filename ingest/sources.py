@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ingest.errors import BadInputError
 
-__all__ = ["FileInfo", "describe_file", "list_files", "read_texts"]
+__all__ = ["FileInfo", "describe_file", "describe_table", "list_files", "read_texts"]
 
 SUFFIXES = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -47,8 +47,9 @@ class FileInfo:
       row_groups: rows in each row group, in file order.
       group_bytes: uncompressed bytes of the text column per row group (balances the deal).
       content_key: a hash that changes when the file's content does: the Parquet footer (with
-        its column statistics), the Arrow footer plus the file's first and last 64 KiB, or all
-        of a JSONL file.
+        its column statistics), the Arrow footer plus the file's first and last 64 KiB, all of
+        a JSONL file, or an in-memory table's content.
+      table: the table of an in-memory source (format ``memory``), else None.
     """
 
     path: str
@@ -57,6 +58,7 @@ class FileInfo:
     row_groups: tuple[int, ...]
     group_bytes: tuple[int, ...]
     content_key: str = ""
+    table: pa.Table | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -136,12 +138,23 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
     return sorted(dict.fromkeys(found))
 
 
-def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
-    """Reads a file's metadata and checks its text column.
+def describe_table(name: str, table: pa.Table, column: str, content_key: str, *,
+                   tokens: bool = False) -> FileInfo:
+    """An in-memory table as one "file" of one row group, named ``name``."""
+    _check_column(table.schema, column, name, tokens=tokens)
+    return FileInfo(path=name, format="memory", size=table.nbytes,
+                    row_groups=(table.num_rows,),
+                    group_bytes=(max(1, table.column(column).nbytes),),
+                    content_key=content_key, table=table)
+
+
+def describe_file(path: str, fmt: str | None, text_column: str, *,
+                  tokens: bool = False) -> FileInfo:
+    """Reads a file's metadata and checks its text column (``tokens``: a token-id column).
 
     Raises:
       BadInputError: reason ``corrupt_file`` (unreadable), ``missing_column`` or
-        ``column_type`` (the text column is absent or not string/binary).
+        ``column_type`` (the column is absent or not string/binary, or not list<int>).
     """
     fmt = _format_of(path, fmt)
     if fmt is None:
@@ -156,7 +169,7 @@ def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
                 key = _tail_hash(f, size, magic=b"PAR1", head_bytes=0)
                 md = pq.ParquetFile(f).metadata
                 schema = md.schema.to_arrow_schema()
-                _check_column(schema, text_column, path)
+                _check_column(schema, text_column, path, tokens=tokens)
                 ci = schema.get_field_index(text_column)
                 rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
                 nbytes = tuple(max(1, md.row_group(i).column(ci).total_uncompressed_size)
@@ -165,7 +178,7 @@ def describe_file(path: str, fmt: str | None, text_column: str) -> FileInfo:
             with fs.open_input_file(local) as f:
                 key = _tail_hash(f, size, magic=b"ARROW1", head_bytes=1 << 16)
                 reader = ipc.open_file(f)
-                _check_column(reader.schema, text_column, path)
+                _check_column(reader.schema, text_column, path, tokens=tokens)
                 batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
@@ -207,12 +220,21 @@ def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:
     return h.hexdigest()[:16]
 
 
-def _check_column(schema: pa.Schema, column: str, path: str) -> None:
+def _check_column(schema: pa.Schema, column: str, path: str, *, tokens: bool = False) -> None:
+    name = "tokens_column" if tokens else "text_column"
     if schema.get_field_index(column) < 0:
         raise BadInputError(
-            f"{path}: text_column={column!r} not found; the file has columns {schema.names}; "
-            f"set sources[].text_column to one of them", reason="missing_column", path=path)
+            f"{path}: {name}={column!r} not found; the file has columns {schema.names}; "
+            f"set sources[].{name} to one of them", reason="missing_column", path=path)
     t = schema.field(column).type
+    if tokens:
+        if not ((pa.types.is_list(t) or pa.types.is_large_list(t)
+                 or pa.types.is_fixed_size_list(t)) and pa.types.is_integer(t.value_type)):
+            raise BadInputError(
+                f"{path}: tokens_column={column!r} has type {t}, expected a list of integer "
+                f"token ids; point tokens_column at such a column, or use text_column for text",
+                reason="column_type", path=path)
+        return
     if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
             or pa.types.is_large_binary(t) or pa.types.is_string_view(t)):
         raise BadInputError(
@@ -230,6 +252,9 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
     Raises:
       BadInputError: reason ``corrupt_file`` when the data cannot be read or decoded.
     """
+    if info.table is not None:
+        col = info.table.column(text_column).slice(start, stop - start)
+        return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
     fs, local = _filesystem(info.path)
     try:
         if info.format == "parquet":
@@ -242,6 +267,10 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
                 batch = ipc.open_file(f).get_batch(group)
             return batch.column(text_column).slice(start, stop - start), None
         texts, bad = _jsonl_rows(info, fs, local, text_column)
+        if texts and any(isinstance(t, list) for t in texts):
+            # A tokens_column: lists of ids (other rows are null or malformed).
+            return pa.array([t if isinstance(t, list) else None for t in texts[start:stop]],
+                            type=pa.list_(pa.int64())), bad[start:stop]
         return pa.array(texts[start:stop], type=pa.binary()), bad[start:stop]
     except BadInputError:
         raise
@@ -287,6 +316,10 @@ def _jsonl_rows(info: FileInfo, fs, local: str, text_column: str) -> tuple[list,
                 f"(fields: {sorted(obj)}); set sources[].text_column", reason="missing_column",
                 path=info.path, row=lineno)
         value = obj[text_column]
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value):
+            texts.append(value)  # token ids of a tokens_column
+            continue
         if value is not None and not isinstance(value, str):
             raise BadInputError(
                 f"{info.path}: line {lineno + 1}: text_column={text_column!r} holds "
@@ -339,7 +372,8 @@ def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
 
 
 # Reason codes for bad documents; index 0 means "good".
-BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json")
+BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json",
+               "invalid_token_id")
 
 
 def _mark_empty(arr: pa.Array, texts: list, bad: np.ndarray) -> tuple[list, np.ndarray]:
