@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from typing import Any
 
@@ -26,6 +27,7 @@ TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 
 # Fields that may differ between a checkpoint and the config it is restored into.
 RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch", "object_store_budget_mb",
+                            "reset_after_epoch",
                             "autoscale", "min_workers", "max_workers", "autoscale_window_s"})
 
 
@@ -96,6 +98,15 @@ class Config:
       seed: seeds every shuffle.
       shuffle: shuffle units per epoch and documents inside units.
       num_epochs: passes over the corpus; null means forever.
+      drop_remainder: deliver only full batches: the feed ends before the first step in which
+        any stream has run out (every host alike); that step's rows are counted as dropped.
+      reset_after_epoch: with ``num_epochs: 1``, iterating the feed again (a new ``for`` loop)
+        after it delivered a batch restarts it from the beginning (validation feeds). It does
+        not change the batches of a pass: runtime only.
+      batch_rampup: ``{step: factor}``; global batch ``t`` (0-based: the first batch is step 0)
+        has ``global_batch_size x factor`` rows, the factor of the largest key <= t (1.0 before
+        the first key; factors are not accumulated). Every such size must be a whole multiple
+        of ``num_streams``. YAML keys may be ints or strings of ints.
       unit_rows: at most this many documents per unit (units are row groups or parts of them).
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
@@ -124,6 +135,9 @@ class Config:
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = 1
+    drop_remainder: bool = False
+    reset_after_epoch: bool = False
+    batch_rampup: dict[int, float] | None = None
     unit_rows: int = 256
     on_bad_document: str = "error"
     on_bad_file: str = "error"
@@ -201,9 +215,21 @@ class Config:
             problems.append(f"object_store_budget_mb={b!r} must be a number > 0 or null")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             problems.append(f"seed={self.seed!r} must be an integer >= 0")
+        for name in ("drop_remainder", "reset_after_epoch"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.reset_after_epoch is True and self.num_epochs != 1:
+            problems.append(f"reset_after_epoch=true restarts the feed after each pass, which needs "
+                            f"num_epochs=1 (got num_epochs={self.num_epochs!r}); set num_epochs: 1 "
+                            f"or reset_after_epoch: false")
+        rampup, rampup_problems = _check_rampup(
+            self.batch_rampup, self.global_batch_size if ok[1] else None,
+            self.num_streams if ok[2] else None)
+        problems += rampup_problems
         if problems:
             raise ConfigError(problems)
         object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "batch_rampup", rampup)
 
     @property
     def chunk_bytes(self) -> int:
@@ -230,6 +256,30 @@ class Config:
                 f"fields x 4 bytes); raise it or lower chunk_rows")
         return min(self.prefetch, depth)
 
+    def rampup_factor_at(self, step: int) -> float:
+        """The ``batch_rampup`` factor of global batch ``step`` (0-based): the factor of the
+        largest key <= step, 1.0 before the first key or without a ramp-up."""
+        factor = 1.0
+        for at, f in (self.batch_rampup or {}).items():  # sorted by step at construction
+            if at > step:
+                break
+            factor = f
+        return factor
+
+    def batch_size_at(self, step: int) -> int:
+        """Rows of global batch ``step`` (0-based: the first batch is step 0), over all hosts:
+        ``global_batch_size x rampup_factor_at(step)``."""
+        return round(self.global_batch_size * self.rampup_factor_at(step))
+
+    def batch_sizes(self) -> dict[int, str]:
+        """Every global batch size a run may use, each with where it comes from (for errors)."""
+        sizes = {self.global_batch_size: f"global_batch_size={self.global_batch_size}"}
+        for at, f in (self.batch_rampup or {}).items():
+            sizes.setdefault(round(self.global_batch_size * f),
+                             f"batch_rampup step {at}: global_batch_size={self.global_batch_size} "
+                             f"x {f:g} = {round(self.global_batch_size * f)} rows")
+        return sizes
+
     @property
     def rows_per_stream(self) -> int:
         """k = B / S: rows each stream contributes to every step."""
@@ -238,7 +288,8 @@ class Config:
     def output_fields(self) -> dict[str, Any]:
         """The fields that determine the batches (everything but runtime fields), as JSON."""
         d = to_dict(self)
-        return {k: v for k, v in d.items() if k not in RUNTIME_FIELDS}
+        return {k: v for k, v in d.items() if k not in RUNTIME_FIELDS
+                and not (k in _OMITTED_AT_DEFAULT and v == _OMITTED_AT_DEFAULT[k])}
 
     def fingerprint(self) -> str:
         blob = json.dumps(self.output_fields(), sort_keys=True).encode()
@@ -292,6 +343,55 @@ def _resolve(path: str, base_dir: str | None) -> str:
     return os.path.normpath(os.path.join(base_dir, path))
 
 
+# Output fields added after checkpoints existed enter the fingerprint only when set, so a
+# checkpoint saved before they existed still restores under their defaults.
+_OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None}
+
+
+def _check_rampup(raw: Any, batch: int | None, streams: int | None
+                  ) -> tuple[dict[int, float] | None, list[str]]:
+    """``batch_rampup`` normalized (int steps in order, float factors), and its problems."""
+    if raw is None:
+        return None, []
+    if not isinstance(raw, dict) or not raw:
+        return None, [f"batch_rampup={raw!r} must be a mapping {{step: factor}} (e.g. "
+                      f"{{0: 0.25, 1000: 0.5, 2000: 1.0}}) or null"]
+    problems, out = [], {}
+    for key, f in raw.items():
+        step = key
+        if isinstance(key, str) and key.strip().lstrip("+").isdigit():
+            step = int(key)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            problems.append(f"batch_rampup={raw!r}: step {key!r} must be an integer >= 0 (the "
+                            f"0-based index of a global batch)")
+            continue
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < float("inf"):
+            problems.append(f"batch_rampup={raw!r}: the factor at step {step} is {f!r}; give a "
+                            f"number > 0 (it multiplies global_batch_size)")
+            continue
+        if step in out:
+            problems.append(f"batch_rampup={raw!r}: step {step} is given twice")
+        out[step] = float(f)
+    if problems or batch is None or streams is None:
+        return None, problems
+    unit = streams / batch  # factors that fit are the multiples of this
+    bad = []
+    for step, f in out.items():
+        rows = batch * f
+        if abs(rows - round(rows)) > 1e-6 or round(rows) % streams or round(rows) == 0:
+            lo, hi = math.floor(rows / streams) * unit, math.ceil(rows / streams) * unit
+            near = " or ".join(f"{x:g}" for x in dict.fromkeys((lo, hi)) if x > 0)
+            bad.append(f"step {step}: factor {f:g} gives {rows:g} rows (try {near})")
+    if bad:
+        problems.append(
+            f"batch_rampup={raw!r}: global_batch_size={batch} x factor must be a whole number of "
+            f"rows divisible by num_streams={streams} at every entry; not at " + "; ".join(bad)
+            + f". Factors that fit are the multiples of {unit:g} (num_streams / "
+            f"global_batch_size)")
+        return None, problems
+    return dict(sorted(out.items())), []
+
+
 def _resolve_tokenizer(name: str, base_dir: str | None) -> str:
     if os.sep in name or name.endswith((".json", ".tiktoken")):
         return _resolve(name, base_dir)
@@ -301,6 +401,9 @@ def _resolve_tokenizer(name: str, base_dir: str | None) -> str:
 def to_dict(cfg: Config) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["sources"] = [dict(s, paths=list(s["paths"])) for s in d["sources"]]
+    if d.get("batch_rampup") is not None:
+        # JSON object keys are strings: the same form before and after a checkpoint round trip.
+        d["batch_rampup"] = {str(k): v for k, v in d["batch_rampup"].items()}
     return d
 
 

@@ -6,11 +6,20 @@ ended with all-zero rows, and forms one ``jax.Array`` per field on the user's sh
 ``jax.make_array_from_process_local_data``. Up to ``device_prefetch`` finished batches wait in
 a queue. Every batch carries the host state *after* it, so ``get_state`` describes exactly what
 the consumer has received, never what was prefetched.
+
+Batch ramp-up changes only how a stream's rows are batched, never the rows: step t (0-based)
+takes k_t = B_t / S rows of every stream, so the host state (step, stream positions) resumes
+exactly on either side of a ramp-up boundary::
+
+    batch_rampup {0: 0.5, 2: 1.0}, B=8, S=4     step    0    1    2        3
+                                                 k_t     1    1    2        2
+    stream 0's rows  r0 r1 r2 r3 r4 r5 ...      takes   r0   r1   r2 r3    r4 r5
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -21,16 +30,65 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ingest.config import Config
-from ingest.plan import UnitPlan, build_plan
+from ingest.plan import UnitPlan, build_plan, deal_units
 from ingest.shift import FIELDS
 from ingest.stream import Chunk, open_stream
 from ingest.tokenize import load_tokenizer
 from jax_side.multihost import EndAgreement
-from jax_side.sharding import host_rows
+from jax_side.sharding import host_rows, host_rows_per_batch_size
 
-__all__ = ["HostFeed", "LocalSource"]
+__all__ = ["HostFeed", "IteratorLength", "LocalSource", "steps_covering"]
 
 HOST_STATE_VERSION = 1
+
+# A prior for iterator_length before any row is seen: English prose runs about 4 bytes per
+# token with the GPT-2 and cl100k BPEs (measured on the demo corpus: 3.6-4.3).
+BYTES_PER_TOKEN = 4.0
+# Epochs whose deals are computed for iterator_length; later epochs repeat them (deals balance
+# bytes, so every epoch's per-stream bytes are alike), and the count is then an estimate.
+DEALT_EPOCHS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class IteratorLength:
+    """How many global steps the feed delivers, counted from step 0 (resumed steps included;
+    with ``reset_after_epoch``, one pass).
+
+    Attributes:
+      steps: the count; None when the data never ends (``num_epochs: null``).
+      exact: whether ``steps`` is certain; False marks an estimate.
+      basis: how it was found, in words.
+    """
+
+    steps: int | None
+    exact: bool
+    basis: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def steps_covering(config: Config, rows: int, *, start: int = 0, full: bool = False) -> int:
+    """Steps from step ``start`` (0-based) on that ``rows`` rows of one stream reach, taking
+    k_t = ``config.batch_size_at(t) / num_streams`` rows at step t: the steps holding at least
+    one of them, or with ``full`` the steps they fill completely.
+
+    ``steps_covering(c, 5)`` with k = 2 is 3 (rows 2, 2, 1); with ``full=True`` it is 2.
+    """
+    if rows <= 0:
+        return 0
+    keys = [t for t in (config.batch_rampup or {}) if t > start]
+    n, t, left = 0, start, rows
+    for end in [*keys, None]:
+        k = config.batch_size_at(t) // config.num_streams
+        span = None if end is None else end - t
+        need = left // k if full else -(-left // k)
+        if span is None or need < span or (not full and need == span):
+            return n + need
+        n, left, t = n + span, left - span * k, end
+        if left <= 0:
+            return n
+    raise AssertionError("unreachable: the last ramp-up segment is endless")
 
 
 class LocalSource:
@@ -81,6 +139,7 @@ class _Step:
     arrays: dict[str, jax.Array]
     state: dict[str, Any]
     tokens: int
+    rows: int
     padding_rows: int
     padding_tokens: int
 
@@ -106,6 +165,11 @@ class HostFeed:
     With several JAX processes, each builds one on the same global sharding and iterates it in
     step; at the end of finite data they agree on the last step (``jax_side.multihost``), and
     ``next`` raises ``multihost.PeerError`` if another process died meanwhile.
+
+    With ``batch_rampup`` the arrays of step t have ``config.batch_size_at(t)`` rows, on the
+    same sharding. With ``drop_remainder`` the feed ends before the first step with a padding
+    row anywhere. With ``reset_after_epoch`` iterating it again restarts it (see ``__iter__``).
+    ``dataset_size`` and ``iterator_length`` say how long an epoch and the run are.
     """
 
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
@@ -121,12 +185,17 @@ class HostFeed:
         self.backend = backend
         self._rows = host_rows(sharding, config.global_batch_size, config.seq_len,
                                config.num_streams)
+        # Every batch size of the ramp-up, each checked against the sharding; same streams.
+        self._rows_by_size = host_rows_per_batch_size(sharding, config.batch_sizes(),
+                                                      config.seq_len, config.num_streams)
         # Several JAX processes and finite data: exhausted hosts pad until every host is, then
         # all stop after the same step (jax_side.multihost). _claim: the last step known to
-        # have a row here, written by the producer, read by the consumer.
-        self._end = (EndAgreement() if jax.process_count() > 1 and config.num_epochs is not None
-                     else None)
+        # have a row here (with drop_remainder: known to be full), written by the producer,
+        # read by the consumer.
+        self._multihost = jax.process_count() > 1 and config.num_epochs is not None
+        self._end = self._new_agreement()
         self._claim = 0
+        self._partial_seen = False
         config.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
         # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
         load_tokenizer(config.tokenizer)
@@ -144,12 +213,18 @@ class HostFeed:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, device_prefetch))
         self._stop = threading.Event()
         self._done = False
+        self._pass_started = False  # a batch was delivered (or the end reached) this pass
+        self._end_step: int | None = None  # the last step of a pass that ended
+        self._dealt: dict[str, Any] | None = None  # per-epoch deals, for iterator_length
         self._closed_pool_stats: dict[str, Any] = {}
-        # Consumer-side statistics.
+        # Consumer-side statistics (over every pass).
         self.steps = 0
+        self.passes = 1  # passes begun: 1 + restarts (reset_after_epoch)
         self.tokens = 0
         self.padding_rows = 0
         self.padding_tokens = 0
+        self.dropped_rows = 0
+        self.dropped_tokens = 0
         self.wait_s = 0.0
         self.wait_max_s = 0.0
         self.wait_after_first_s = 0.0
@@ -198,6 +273,7 @@ class HostFeed:
             st = state["streams"][str(s)]
             self._cursors[s] = _Cursor(base=st["state"], extra=int(st["taken"]))
         self._state = self._snapshot()
+        self._pass_started = False
 
     # -- producing (background thread) ---------------------------------------------------
 
@@ -234,46 +310,63 @@ class HostFeed:
 
     def _assemble(self) -> _Step | None:
         cfg = self.config
-        k = cfg.rows_per_stream
-        local = np.zeros((len(FIELDS), self._rows.stop - self._rows.start, cfg.seq_len),
-                         dtype=np.int32)
+        size = cfg.batch_size_at(self._step)  # self._step: the 0-based index of this step
+        k = size // cfg.num_streams
+        rows = self._rows_by_size[size]
+        local = np.zeros((len(FIELDS), rows.stop - rows.start, cfg.seq_len), dtype=np.int32)
         got = padding_rows = 0
-        for j, s in enumerate(self._rows.streams):
+        for j, s in enumerate(rows.streams):
             n = self._take(s, local, j * k, k)
             got += n
             padding_rows += k - n
         if got == 0 and self._end is None:
             return None
         self._step += 1
-        if got and self._end is not None:
-            self._claim = self._step + self._steps_in_hand()
+        if self._end is not None:
+            if cfg.drop_remainder:
+                # A step with padding here ends the claims: later steps are never full again.
+                self._partial_seen = self._partial_seen or padding_rows > 0
+                if not self._partial_seen:
+                    self._claim = max(self._claim, self._step + self._steps_in_hand(full=True))
+            elif got:
+                self._claim = self._step + self._steps_in_hand()
         seg = local[FIELDS.index("inputs_segmentation")]
         tokens = int(np.count_nonzero(seg))
-        shape = (cfg.global_batch_size, cfg.seq_len)
+        shape = (size, cfg.seq_len)
         arrays = {name: jax.make_array_from_process_local_data(self.sharding, local[i], shape)
                   for i, name in enumerate(FIELDS)}
-        return _Step(arrays, self._snapshot(), tokens, padding_rows, seg.size - tokens)
+        return _Step(arrays, self._snapshot(), tokens, local.shape[1], padding_rows,
+                     seg.size - tokens)
 
-    def _steps_in_hand(self) -> int:
-        """Steps after the current one that rows already received fill for some stream."""
-        k = self.config.rows_per_stream
-        left = [c.chunk.num_rows - c.taken for c in self._cursors.values() if c.chunk is not None]
-        return -(-max(left, default=0) // k)
+    def _steps_in_hand(self, *, full: bool = False) -> int:
+        """Steps after the current one that rows already received reach for some stream (with
+        ``full``: fill completely for every stream)."""
+        left = [c.chunk.num_rows - c.taken if c.chunk is not None else 0
+                for c in self._cursors.values()]
+        if full:
+            return min(steps_covering(self.config, n, start=self._step, full=True) for n in left)
+        return max(steps_covering(self.config, n, start=self._step) for n in left)
 
     def _produce(self) -> None:
         try:
             if self._source is None:
                 self._source = self._open_source()
+            # One host with drop_remainder: the first step with padding is the last assembled
+            # (the consumer drops it and counts its rows).
+            last_partial = self.config.drop_remainder and self._end is None
             while not self._stop.is_set():
                 step = self._assemble()
-                item = _END if step is None else step
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if step is None:
+                items = [_END] if step is None else [step]
+                if step is not None and last_partial and step.padding_rows:
+                    items.append(_END)
+                for item in items:
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                if items[-1] is _END:
                     return
         except BaseException as e:  # noqa: BLE001 -- re-raised on the consumer's thread
             self._queue.put(e)
@@ -281,7 +374,45 @@ class HostFeed:
     # -- consuming -----------------------------------------------------------------------
 
     def __iter__(self) -> HostFeed:
+        """The feed itself. With ``reset_after_epoch``, once a batch was delivered (or the end
+        reached) since the feed was built, restored or restarted, this restarts it from step 0:
+        every ``for`` loop over a validation feed is one whole pass, the same batches each time.
+        The consumer statistics keep counting over passes; ``passes`` counts the passes begun."""
+        if self.config.reset_after_epoch and self._pass_started:
+            self._restart()
         return self
+
+    def _new_agreement(self) -> EndAgreement | None:
+        return EndAgreement(drop_remainder=self.config.drop_remainder) if self._multihost else None
+
+    def _restart(self) -> None:
+        """Stops the producer and the source, and goes back to step 0 (reset_after_epoch)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"reset_after_epoch: the producer thread did not stop within "
+                                   f"get_timeout_s={self._timeout} s to restart the feed")
+        if self._source is not None:
+            self._keep_pool_stats()
+            self._source.close()
+            self._source = None
+        self._thread = None
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=max(1, self._device_prefetch))
+        self._done = self._pass_started = self._partial_seen = False
+        self._end_step = None
+        self._cursors = {s: _Cursor() for s in self._rows.streams}
+        self._step = self._claim = 0
+        self._end = self._new_agreement()
+        self._state = self._snapshot()
+        self.passes += 1
+
+    def _goes_ahead(self, item: _Step) -> bool:
+        """Whether an assembled step is delivered (else the data ended before it)."""
+        if self._end is not None:
+            return self._end.continues(item.state["step"], self._claim)
+        return not (self.config.drop_remainder and item.padding_rows)
 
     def __next__(self) -> dict[str, jax.Array]:
         if self._done:
@@ -298,15 +429,18 @@ class HostFeed:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the HostFeed producer thread died without a message; "
                                        "this is a bug in jax_side.feed") from None
-        if self._end is not None and isinstance(item, _Step) and not self._end.continues(
-                item.state["step"], self._claim):
+        if isinstance(item, _Step) and not self._goes_ahead(item):
+            # Rows only with drop_remainder: without it every host's rows ran out.
+            self.dropped_rows += item.rows - item.padding_rows
+            self.dropped_tokens += item.tokens
             item = _END
         now = time.perf_counter()
         waited = now - t0
         self.wait_s += waited
         self.wait_max_s = max(self.wait_max_s, waited)
         if item is _END:
-            self._done = True
+            self._done = self._pass_started = True
+            self._end_step = self._state["step"]
             raise StopIteration
         if isinstance(item, BaseException):
             self._done = True
@@ -316,6 +450,7 @@ class HostFeed:
         else:
             self.wait_after_first_s += waited
         self.last_batch_time = now
+        self._pass_started = True
         self.steps += 1
         self.tokens += item.tokens
         self.padding_rows += item.padding_rows
@@ -349,14 +484,113 @@ class HostFeed:
         span = max(1e-9, time.perf_counter() - self._source.started_at)
         return {str(k): round(v / span, 1) for k, v in counts.items()}
 
+    # -- how long ------------------------------------------------------------------------
+
+    @property
+    def dataset_size(self) -> int:
+        """Documents per epoch: the rows of the unit plan, exact from the files' metadata
+        (bad documents skipped while reading are counted in ``stats()``, not subtracted)."""
+        return self.plan.total_rows
+
+    @property
+    def iterator_length(self) -> IteratorLength:
+        """Global steps of the run (or of one pass with ``reset_after_epoch``), from step 0.
+
+        Exact when it needs no tokenizing: endless data (None), a pass that has ended, or
+        ``packing: none`` with ``long_documents: truncate`` (one row per document) and bad
+        input as errors. Otherwise an estimate, from the unit plan's text bytes and the rows
+        per byte the owned streams have produced so far (4 bytes per token before any row).
+        Ramp-up and ``drop_remainder`` are taken into account.
+        """
+        c = self.config
+        if c.num_epochs is None:
+            return IteratorLength(None, True, "num_epochs is null: the data never ends")
+        if self._done and self._end_step is not None:
+            return IteratorLength(self._end_step, True, "this pass has ended")
+        dealt = self._deals()
+        exact_rows = (len(c.sources) == 1 and c.packing == "none"
+                      and c.long_documents == "truncate" and c.on_bad_document == "error"
+                      and c.on_bad_file == "error")
+        if exact_rows:
+            rows = dealt["docs"].sum(axis=0)
+            basis = "packing none with long_documents truncate: one row per document"
+            exact = dealt["exact"]
+        else:
+            rows, basis = self._estimated_rows(dealt)
+            exact = False
+        if not dealt["exact"]:
+            basis += f"; epochs past {DEALT_EPOCHS} assumed like the first {DEALT_EPOCHS}"
+        if c.drop_remainder:
+            steps = min(steps_covering(c, int(r), full=True) for r in rows)
+        else:
+            steps = max(steps_covering(c, int(r)) for r in rows)
+        return IteratorLength(steps, exact, basis if exact else "estimate: " + basis)
+
+    def _deals(self) -> dict[str, Any]:
+        """Each stream's units, bytes and documents per epoch (cached)."""
+        if self._dealt is None:
+            c = self.config
+            epochs = min(c.num_epochs, DEALT_EPOCHS)
+            nbytes = np.array([u.nbytes for u in self.plan.units], np.int64)
+            ndocs = np.array([u.num_rows for u in self.plan.units], np.int64)
+            units = [deal_units(self.plan, num_streams=c.num_streams, seed=c.seed, epoch=e,
+                                shuffle=c.shuffle) for e in range(epochs)]
+            reps = [units[e % epochs] for e in range(c.num_epochs)]
+            self._dealt = {
+                "units": units,
+                "bytes": np.array([[nbytes[u].sum() for u in per] for per in reps], np.float64),
+                "docs": np.array([[ndocs[u].sum() for u in per] for per in reps], np.int64),
+                "exact": epochs == c.num_epochs,
+                "nbytes": nbytes, "ndocs": ndocs,
+            }
+        return self._dealt
+
+    def _estimated_rows(self, dealt: dict[str, Any]) -> tuple[np.ndarray, str]:
+        """Rows each stream gives in all: known for exhausted owned streams, else its bytes
+        times the rows per byte seen on this host's streams."""
+        c = self.config
+        total_bytes = dealt["bytes"].sum(axis=0)
+        known: dict[int, int] = {}
+        seen_rows = seen_bytes = 0.0
+        for sid, entry in self._state["streams"].items():
+            st = entry["state"]
+            if not st or len(c.sources) > 1 or not {"epoch", "unit", "doc"} <= set(st):
+                continue  # nothing read yet, or a mixture's state (not one unit cursor)
+            s = int(sid)
+            if st.get("exhausted"):
+                known[s] = int(st["rows_emitted"])
+            e, u = int(st["epoch"]), int(st["unit"])
+            units = dealt["units"][e % len(dealt["units"])][s]
+            passed = dealt["bytes"][:e, s].sum() + dealt["nbytes"][units[:u]].sum()
+            if u < len(units):
+                uid = units[u]
+                passed += dealt["nbytes"][uid] * min(1.0, int(st["doc"]) / dealt["ndocs"][uid])
+            if st.get("exhausted"):
+                passed = total_bytes[s]
+            seen_rows += int(st["rows_emitted"])
+            seen_bytes += float(passed)
+        if seen_rows and seen_bytes:
+            rate = seen_rows / seen_bytes
+            basis = (f"plan text bytes x {rate * c.seq_len:.3f} tokens per byte seen in "
+                     f"{int(seen_rows)} rows so far")
+        else:
+            rate = 1.0 / (BYTES_PER_TOKEN * c.seq_len)
+            basis = f"plan text bytes at {BYTES_PER_TOKEN:g} bytes per token (no rows seen yet)"
+        rows = np.array([known.get(s, math.ceil(total_bytes[s] * rate))
+                         for s in range(c.num_streams)])
+        return rows, basis
+
     def stats(self) -> dict[str, Any]:
         """Consumer-side statistics and the streams' counters (skips, truncations)."""
         span = ((self.last_batch_time or 0) - (self.first_batch_time or 0))
         skipped: dict[str, dict[str, int]] = {}
         skipped_units: dict[str, int] = {}
         documents = truncated_docs = truncated_tokens = 0
+        mix_tokens = np.zeros(len(self.config.sources), np.int64)
         for st in self._state["streams"].values():
             s = st["state"] or {}
+            if s.get("kind") == "mixture":
+                mix_tokens += s["tokens"]
             documents += s.get("documents", 0)
             truncated_docs += s.get("truncated_documents", 0)
             truncated_tokens += s.get("truncated_tokens", 0)
@@ -371,6 +605,11 @@ class HostFeed:
             "tokens": self.tokens,
             "padding_rows": self.padding_rows,
             "padding_tokens": self.padding_tokens,
+            "dropped_rows": self.dropped_rows,
+            "dropped_tokens": self.dropped_tokens,
+            "dataset_size": self.dataset_size,
+            "iterator_length": self.iterator_length.to_json(),
+            "passes": self.passes,
             "wait_s": self.wait_s,
             "wait_max_s": self.wait_max_s,
             "stall_fraction": (self.wait_after_first_s / span) if span > 0 else 0.0,
@@ -390,6 +629,10 @@ class HostFeed:
             "skipped_files": [p for p, _, _ in self.plan.skipped_files],
             "truncated_documents": truncated_docs,
             "truncated_tokens": truncated_tokens,
+            # Realized mixture: tokens per source and their shares (several sources only).
+            "tokens_by_source": mix_tokens.tolist() if len(mix_tokens) > 1 else [],
+            "source_proportions": ([round(float(x), 4) for x in mix_tokens / mix_tokens.sum()]
+                                   if len(mix_tokens) > 1 and mix_tokens.sum() else []),
         }
 
     def close(self) -> None:
@@ -398,10 +641,13 @@ class HostFeed:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._source is not None:
-            self._closed_pool_stats = {k: self._pool_stat(k) for k in _POOL_STATS}
-            self._closed_pool_stats.update({k: self._rates(k) for k in _POOL_RATES})
+            self._keep_pool_stats()
             self._source.close()
             self._source = None
+
+    def _keep_pool_stats(self) -> None:
+        self._closed_pool_stats = {k: self._pool_stat(k) for k in _POOL_STATS}
+        self._closed_pool_stats.update({k: self._rates(k) for k in _POOL_RATES})
 
     def __enter__(self) -> HostFeed:
         return self

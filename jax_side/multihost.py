@@ -18,6 +18,17 @@ to the largest claim without asking again::
     sync at step 4:   claims (3, 5) -> steps 4..5 go ahead; host 0 pads them
     sync at step 6:   claims (3, 5) -> 5 < 6: every host stops after step 5
 
+With ``drop_remainder`` a claim is instead the last step a host knows to be *full* (every
+owned stream has its rows), and the hosts go on through the smallest claim: the first step in
+which any host would pad is dropped everywhere. A host claims at least the step it just
+assembled while that step is full, so a claim below the step asked about is final::
+
+    step              1   2   3   4
+    host 0 full       y   y   y   -                (- : a stream of host 0 has run out)
+    host 1 full       y   y   y   y
+    sync at step 1:   claims (3, 4) -> min 3: steps 1..3 go ahead without asking
+    sync at step 4:   claims (3, 4) -> 3 < 4: every host stops after step 3
+
 Every host makes the same decisions from the same gathered claims, so the steps delivered do
 not depend on timing, only on (config, corpus, seed), exactly as on one host. The allgather runs
 on the consumer's thread, in program order with the training step's own collectives. A peer
@@ -130,12 +141,17 @@ class EndAgreement:
     One per ``HostFeed`` when several JAX processes feed a mesh. Every host calls
     ``continues`` for every step it is about to deliver, in the same order.
 
+    Args:
+      drop_remainder: claims name the last step known to be full, and the hosts go on through
+        the smallest claim (else: the last step known to have a row, through the largest).
+
     Attributes:
       syncs: allgathers made so far (fewer than the steps: a claim covers several steps).
     """
 
-    def __init__(self):
+    def __init__(self, *, drop_remainder: bool = False):
         self._agreed_through = 0
+        self._drop_remainder = drop_remainder
         self.syncs = 0
 
     def continues(self, step: int, claim: int) -> bool:
@@ -144,18 +160,20 @@ class EndAgreement:
         Args:
           step: the step about to be delivered (steps count from 1; resumed runs go on).
           claim: the last step this host knows to have a row (< ``step`` once its streams are
-            exhausted: the last step it had a row).
+            exhausted: the last step it had a row); with ``drop_remainder``, the last step it
+            knows to be full (``step - 1`` when ``step`` is not).
 
         Raises:
           PeerError: a peer died or left while the hosts compared claims.
         """
         if step <= self._agreed_through:
             return True
+        kind = "full step" if self._drop_remainder else "step with rows"
         claims = allgather(np.array([claim], np.int32),
                            f"the end-of-data agreement at step {step} (every process's last "
-                           f"step with rows)")
+                           f"{kind})")
         self.syncs += 1
-        self._agreed_through = int(claims.max())
+        self._agreed_through = int(claims.min() if self._drop_remainder else claims.max())
         return self._agreed_through >= step
 
 
@@ -213,7 +231,8 @@ def leave(code: int) -> None:
 
 # -- one summary for every host ----------------------------------------------------------------
 
-_SUMMED = ("tokens", "padding_rows", "padding_tokens", "documents", "truncated_documents",
+_SUMMED = ("tokens", "padding_rows", "padding_tokens", "dropped_rows", "dropped_tokens",
+           "documents", "truncated_documents",
            "truncated_tokens", "workers", "restarts", "streams", "workers_killed", "tokens_per_s",
            "object_store_bytes_bound", "object_store_bytes_peak")
 _PER_KEY = ("rows_per_s_by_worker", "rows_per_s_by_stream")

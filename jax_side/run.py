@@ -72,6 +72,14 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         f"documents {s['documents']:,}  truncated documents {s['truncated_documents']} "
         f"({s['truncated_tokens']:,} tokens)",
     ]
+    if "dataset_size" in s:
+        length = s["iterator_length"]
+        steps = "endless" if length["steps"] is None else f"{length['steps']:,} steps"
+        lines.append(f"dataset size {s['dataset_size']:,} documents per epoch  iterator length "
+                     f"{steps} ({'exact: ' if length['exact'] else ''}{length['basis']})")
+    if s.get("dropped_rows"):
+        lines.append(f"drop_remainder dropped {s['dropped_rows']} row(s) "
+                     f"({s['dropped_tokens']:,} tokens) of the last, partial step")
     for reason, per_file in sorted(s["skipped_documents"].items()):
         total = sum(per_file.values())
         lines.append(f"skipped {total} document(s) as {reason}: "

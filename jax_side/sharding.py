@@ -6,6 +6,11 @@ and host h owns s when all of those rows land on h's devices::
 
     B=8, S=4, k=2      rows 0 1 | 2 3 | 4 5 | 6 7      streams 0 | 1 | 2 | 3
     2 hosts            host 0: rows 0-3 -> streams 0, 1    host 1: rows 4-7 -> streams 2, 3
+
+With a batch ramp-up the batch size changes between steps (B_t rows, k_t = B_t / S): each size
+has its own block of rows per host, and every size must give a host the same streams::
+
+    B_t=4, k_t=1       rows 0 | 1 | 2 | 3                  host 0: rows 0-1 -> streams 0, 1
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["HostRows", "batch_sharding", "host_rows"]
+__all__ = ["HostRows", "batch_sharding", "host_rows", "host_rows_per_batch_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +93,32 @@ def host_rows(sharding: NamedSharding, global_batch_size: int, seq_len: int,
             f"num_streams={global_batch_size // math.gcd(k, stop - start)}), or a mesh that gives "
             f"each process a multiple of {k} rows")
     return HostRows(start, stop, tuple(range(start // k, stop // k)))
+
+
+def host_rows_per_batch_size(sharding: NamedSharding, batch_sizes: dict[int, str], seq_len: int,
+                             num_streams: int) -> dict[int, HostRows]:
+    """`host_rows` for every global batch size a run uses (``Config.batch_sizes()``).
+
+    Args:
+      batch_sizes: each size, with where it comes from (named in errors).
+
+    Raises:
+      ValueError: a size does not fit the sharding (naming the size's origin), or two sizes
+        would give this host different streams (its streams' rows must stay on its devices).
+    """
+    out: dict[int, HostRows] = {}
+    for size, origin in batch_sizes.items():
+        try:
+            out[size] = host_rows(sharding, size, seq_len, num_streams)
+        except ValueError as e:
+            raise ValueError(f"{origin}: {e}") from e
+    by_streams = {rows.streams: size for size, rows in out.items()}
+    if len(by_streams) > 1:
+        detail = "; ".join(f"{batch_sizes[size]} gives streams {list(streams)}"
+                           for streams, size in by_streams.items())
+        raise ValueError(
+            f"process {jax.process_index()} of {jax.process_count()} would own different streams "
+            f"at different batch sizes ({detail}); a stream's rows must land on one host at "
+            f"every size. Use a mesh that splits rows evenly over the processes, or batch_rampup "
+            f"factors whose sizes all do")
+    return out
