@@ -73,6 +73,8 @@ class WorkerPool:
             n = min(n, len(self._stream_ids))
         self._where: dict[int, ray.ObjectRef] = {}
         self._next_name = 0
+        self._poison_marker: str | None = None
+        self.poisoned = 0  # documents located as killing workers and skipped
         self._workers = [self._spawn() for _ in range(n)]
         self._placement = {s: self._workers[i % n] for i, s in enumerate(self._stream_ids)}
         self._queues: dict[int, collections.deque] = {s: collections.deque()
@@ -230,6 +232,8 @@ class WorkerPool:
     def _spawn(self):
         name = f"w{self._next_name}"
         w = StreamWorker.remote(self._config, self._plan_ref, name)
+        if self._poison_marker is not None:
+            w.inject_poison.remote(self._poison_marker)
         self._names[id(w)] = name
         self._next_name += 1
         # Asked first, so it is answered before any chunk request queues behind it.
@@ -345,16 +349,69 @@ class WorkerPool:
             return
 
     def _count_failure(self, s: int, cause: BaseException) -> None:
-        """Counts failures of stream ``s`` at its current position; too many stop the run."""
-        position = json.dumps(self._resume[s][0], sort_keys=True)
+        """Counts failures of stream ``s`` at its current position; too many stop the run,
+        unless ``on_bad_document: skip`` and the failures are a document that kills its
+        worker, which is then located and skipped."""
+        position = json.dumps(self._resume[s], sort_keys=True)
         last, count = self._failures.get(s, (None, 0))
         count = count + 1 if last == position else 1
         self._failures[s] = (position, count)
+        if count >= self.max_failures and self._config.on_bad_document == "skip":
+            if self._skip_poison(s):
+                return
         if count >= self.max_failures:
             raise StreamError(
                 f"stream {s} failed {count} times in a row at {self._where_is(s)} without "
                 f"delivering a chunk (a poison document there, or workers lost faster than they "
                 f"restart); last error: {type(cause).__name__}: {cause}", stream_id=s) from cause
+
+    def _skip_poison(self, s: int) -> bool:
+        """Runs stream ``s``'s next chunk on a disposable worker that names each document
+        before tokenizing it. If that worker dies, the document it named is the poison: it is
+        added to the stream's resume state (skipped and counted as ``worker_crash``). Returns
+        False when the worker died without naming a document (the failures cannot be
+        located); True otherwise, and the failure count starts over."""
+        from ray.experimental import internal_kv  # noqa: PLC0415
+
+        key = f"ingest/poison/{os.getpid()}/{id(self)}/{s}/{self.restarts}"
+        probe = self._spawn()
+        state, skip = self._resume[s]
+        log.warning("stream %d failed %d times at %s: locating the document that kills its "
+                    "workers (on_bad_document: skip)", s, self.max_failures, self._where_is(s))
+        try:
+            _raise_worker_error(_get(probe.open.remote(s, state, skip), self._timeout,
+                                     f"opening stream {s} to locate a poison document"))
+            _get(probe.produce_traced.remote(s, self._config.chunk_rows, key),
+                 self._timeout, f"a traced chunk of stream {s}")
+        except _WORKER_LOST:
+            raw = internal_kv._internal_kv_get(key)
+            if raw is None:
+                return False
+            where = json.loads(raw)
+            stream = open_stream(self._config, self._plan, s)
+            if state is not None:
+                stream.set_state(state)
+            stream.add_poison(where)
+            self._resume[s] = (stream.get_state(), skip)
+            self._failures.pop(s, None)
+            self.poisoned += 1
+            log.warning("stream %d: skipping the document at %s that killed %d workers "
+                        "(counted as worker_crash)", s, where, self.max_failures + 1)
+            return True
+        finally:
+            internal_kv._internal_kv_del(key)
+            self._names.pop(id(probe), None)
+            ray.kill(probe, no_restart=True)
+        # The chunk came back: the failures were not this stream's data. Go on retrying.
+        self._failures.pop(s, None)
+        return True
+
+    def inject_poison(self, marker: str) -> None:
+        """Fault injection for tests and demos: every worker, present and future, dies when it
+        tokenizes a document containing ``marker``."""
+        self._poison_marker = marker
+        for w in self._workers + self._pending:
+            w.inject_poison.remote(marker)
 
     def _where_is(self, s: int) -> str:
         """The file and row at stream ``s``'s resume position, for error messages."""

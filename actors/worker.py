@@ -6,6 +6,7 @@ tokenizers run single-threaded and the process never touches an accelerator.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
 from ingest.stream import Chunk, Stream, open_stream
+from ingest.tokenize import load_tokenizer
 
 __all__ = ["WORKER_ENV", "StreamWorker"]
 
@@ -69,6 +71,7 @@ class StreamWorker:
         self._name = name
         self._streams: dict[int, Stream] = {}
         self._fault: tuple[int, int] | None = None
+        self._poison_marker: str | None = None
         self._metrics: WorkerMetrics | None = None
 
     def pid(self) -> int:
@@ -81,7 +84,7 @@ class StreamWorker:
     def open(self, stream_id: int, state: dict[str, Any] | None,
              skip_rows: int = 0) -> int | WorkerError:
         """Opens (or reopens) a stream at ``state``, then drops ``skip_rows`` rows."""
-        s = open_stream(self._config, self._plan, stream_id)
+        s = open_stream(self._config, self._plan, stream_id, self._tokenizer())
         if state is not None:
             out = self._call(stream_id, s.set_state, state)
             if isinstance(out, WorkerError):
@@ -121,6 +124,29 @@ class StreamWorker:
             self._metrics.record(out.num_rows, time.perf_counter() - t0)
         return out
 
+    def produce_traced(self, stream_id: int, n_rows: int, key: str) -> Chunk | WorkerError:
+        """``produce``, tokenizing one document at a time and writing each one's place to
+        Ray's internal key-value store under ``key`` first: if a document kills this process,
+        the host reads there which one it was (``actors.pool`` locating a poison document)."""
+        from ray.experimental import internal_kv  # noqa: PLC0415
+
+        s = self._streams[stream_id]
+        s.set_trace(lambda where: internal_kv._internal_kv_put(
+            key, json.dumps(where), overwrite=True))
+        try:
+            return self.produce(stream_id, n_rows)
+        finally:
+            s.set_trace(None)
+
+    def inject_poison(self, marker: str) -> None:
+        """Fault injection for tests and demos: this process dies (like a segfault in a
+        tokenizer) when it tokenizes a document containing ``marker``."""
+        self._poison_marker = marker
+
+    def _tokenizer(self):
+        tok = load_tokenizer(self._config.tokenizer)
+        return tok if self._poison_marker is None else _Poisoned(tok, self._poison_marker)
+
     def inject_error(self, stream_id: int, at_row: int) -> None:
         """Fault injection for tests: the produce call of ``stream_id`` that would emit row
         ``at_row`` raises partway through its chunk, once (this worker only)."""
@@ -140,3 +166,18 @@ class StreamWorker:
         except ValueError as e:
             return WorkerError(f"worker {self._name}, stream {stream_id}: {e}",
                                stream_id=stream_id, worker=self._name, cause=e)
+
+
+class _Poisoned:
+    """A tokenizer that kills its process on a marked document (``inject_poison``)."""
+
+    def __init__(self, tokenizer, marker: str):
+        self._tok = tokenizer
+        self._marker = marker
+        self.name, self.eos_id, self.vocab_size = (tokenizer.name, tokenizer.eos_id,
+                                                   tokenizer.vocab_size)
+
+    def encode_batch(self, texts: list[str]):
+        if any(self._marker in t for t in texts):
+            os._exit(70)  # no cleanup, no exception: what a crashing native library does
+        return self._tok.encode_batch(texts)

@@ -7,6 +7,7 @@ into every checkpoint; the rest (workers, chunk_rows, prefetch) may change betwe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -23,6 +24,7 @@ SHIFTS = ("left", "right")
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 BAD_INPUT_POLICIES = ("error", "skip")
 FORMATS = ("parquet", "arrow", "jsonl")
+SOURCE_KINDS = ("files", "materialized")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 
 # Fields that may differ between a checkpoint and the config it is restored into.
@@ -39,18 +41,64 @@ class SourceConfig:
       paths: files, directories (searched recursively) and globs; local paths or any URI
         pyarrow's filesystems accept (``s3://``, ``gs://``, ``file://``).
       text_column: the string column holding one document per row.
-      weight: mixing weight (> 0); one source takes all rows.
+      tokens_column: instead of ``text_column``, a ``list<int>`` column of token ids per
+        document (pre-tokenized, without the end-of-document id, which the feed appends):
+        tokenizing is skipped and the rows are packed like text's. Ids must be below the
+        tokenizer's ``vocab_size``.
+      table: Python API only: a ``pyarrow.Table`` (or a dict of arrays) to read instead of
+        files, for notebooks and tests; ``paths`` stays empty. Its content hash stands for it
+        in fingerprints, so checkpoints notice a different table.
+      weight: mixing weight (> 0): with several sources, each stream takes rows from each
+        source in proportion to ``weight`` in tokens (``ingest.mixture``); to pool files
+        without weights, list them in one source.
       format: ``parquet``, ``arrow`` (IPC file / Feather v2) or ``jsonl``; None picks by suffix.
+      kind: ``files`` (text documents) or ``materialized`` (one directory written by
+        ``ingest materialize``, replayed row for row by ``ingest.replay``; alone, never mixed).
     """
 
-    paths: tuple[str, ...]
+    paths: tuple[str, ...] = ()
     text_column: str = "text"
+    tokens_column: str | None = None
     weight: float = 1.0
     format: str | None = None
+    kind: str = "files"
+    table: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.table, dict):
+            import pyarrow as pa  # noqa: PLC0415 (only for in-memory sources)
+
+            object.__setattr__(self, "table", pa.table(self.table))
+
+    @property
+    def column(self) -> str:
+        """The column read: ``tokens_column`` if set, else ``text_column``."""
+        return self.tokens_column if self.tokens_column is not None else self.text_column
+
+    def table_key(self) -> str | None:
+        """A hash of the in-memory table's content (None without one)."""
+        if self.table is None:
+            return None
+        key = getattr(self, "_table_key", None)
+        if key is None:
+            import pyarrow as pa  # noqa: PLC0415
+
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, self.table.schema) as w:
+                w.write_table(self.table)
+            key = hashlib.sha256(sink.getvalue()).hexdigest()[:16]
+            object.__setattr__(self, "_table_key", key)
+        return key
 
     def problems(self, where: str) -> list[str]:
         out = []
-        if isinstance(self.paths, str) or not isinstance(self.paths, tuple | list):
+        if self.table is not None:
+            if type(self.table).__name__ != "Table":
+                out.append(f"{where}.table must be a pyarrow.Table or a dict of arrays, got "
+                           f"{type(self.table).__name__}")
+            if self.paths:
+                out.append(f"{where} has both a table and paths {list(self.paths)!r}; give one")
+        elif isinstance(self.paths, str) or not isinstance(self.paths, tuple | list):
             out.append(f"{where}.paths={self.paths!r} must be a list of paths, dirs or globs")
         elif not self.paths:
             out.append(f"{where}.paths is empty; give at least one file, directory or glob")
@@ -66,12 +114,22 @@ class SourceConfig:
                                f"GOOGLE_APPLICATION_CREDENTIALS) or the node's role")
         if not isinstance(self.text_column, str) or not self.text_column:
             out.append(f"{where}.text_column={self.text_column!r} must be a column name")
+        if self.tokens_column is not None and (not isinstance(self.tokens_column, str)
+                                               or not self.tokens_column):
+            out.append(f"{where}.tokens_column={self.tokens_column!r} must be a column name "
+                       f"or null")
         if isinstance(self.weight, bool) or not isinstance(self.weight, int | float) or not (
             self.weight > 0
         ):
             out.append(f"{where}.weight={self.weight!r} must be a number > 0")
         if self.format is not None and self.format not in FORMATS:
             out.append(f"{where}.format={self.format!r} must be one of {FORMATS} or null (auto)")
+        if self.kind not in SOURCE_KINDS:
+            out.append(f"{where}.kind={self.kind!r} must be one of {list(SOURCE_KINDS)}")
+        elif (self.kind == "materialized" and isinstance(self.paths, tuple | list)
+              and len(self.paths) != 1):
+            out.append(f"{where}.paths={list(self.paths)!r}: a materialized source is one "
+                       f"directory written by `ingest materialize`; give exactly one path")
         return out
 
 
@@ -160,13 +218,6 @@ class Config:
                     problems.append(f"sources[{i}] must be a mapping with paths, text_column, weight")
                 else:
                     problems += s.problems(f"sources[{i}]")
-            weights = {s.weight for s in self.sources if isinstance(s, SourceConfig)}
-            if len(self.sources) > 1 and len(weights) > 1:
-                # Weighted mixing is not built yet; pooling would silently ignore the weights.
-                problems.append(
-                    f"sources have different weights {sorted(weights)}, but weighted mixtures are "
-                    f"not supported yet: several sources are pooled in proportion to their size. "
-                    f"Give every source the same weight (or none)")
         if not isinstance(self.tokenizer, str) or not (
                 self.tokenizer in TOKENIZER_NAMES or self.tokenizer.endswith(
                     (".json", ".tiktoken"))):
@@ -286,8 +337,13 @@ class Config:
         return self.global_batch_size // self.num_streams
 
     def output_fields(self) -> dict[str, Any]:
-        """The fields that determine the batches (everything but runtime fields), as JSON."""
+        """The fields that determine the batches (everything but runtime fields), as JSON.
+
+        Source weights are left out: a mixture may change them on resume (the streams keep
+        their positions; see ``ingest.mixture``)."""
         d = to_dict(self)
+        for s in d["sources"]:
+            s.pop("weight", None)
         return {k: v for k, v in d.items() if k not in RUNTIME_FIELDS
                 and not (k in _OMITTED_AT_DEFAULT and v == _OMITTED_AT_DEFAULT[k])}
 
@@ -399,8 +455,17 @@ def _resolve_tokenizer(name: str, base_dir: str | None) -> str:
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    d = dataclasses.asdict(cfg)
-    d["sources"] = [dict(s, paths=list(s["paths"])) for s in d["sources"]]
+    """The config as plain data; an in-memory table stands as its row count and hash."""
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "sources"}
+    d = copy.deepcopy(d)
+    sources = []
+    for s in cfg.sources:
+        sd = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "table"}
+        sd["paths"] = list(s.paths)
+        if s.table is not None:
+            sd["table"] = {"rows": s.table.num_rows, "content": s.table_key()}
+        sources.append(sd)
+    d["sources"] = sources
     if d.get("batch_rampup") is not None:
         # JSON object keys are strings: the same form before and after a checkpoint round trip.
         d["batch_rampup"] = {str(k): v for k, v in d["batch_rampup"].items()}

@@ -235,6 +235,22 @@ class MixedStream:
         return (c.fields is not None and c.chunk_exhausted
                 and saved["taken"] >= c.fields.shape[1])
 
+    def set_trace(self, trace) -> None:
+        """See ``Stream.set_trace``; the trace names the component as ``source``."""
+        for c in self._components:
+            c.stream.set_trace(trace)
+
+    def add_poison(self, where: dict[str, Any]) -> None:
+        """See ``Stream.add_poison``: marks a document of component ``where["source"]``."""
+        i = int(where["source"])
+        c, saved = self._components[i], self._state.components[i]
+        base = dict(saved["state"] or StreamState().to_json())
+        c.stream.set_state(base)
+        c.stream.add_poison(where)
+        saved["state"] = c.stream.get_state()
+        # Rebuilt from the new base on the next row (the rows taken are skipped again).
+        c.fields, c.state_after, c.chunk_exhausted = None, None, False
+
     def describe_head(self) -> str:
         i = self._pick()
         if i is None:

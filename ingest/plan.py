@@ -31,7 +31,7 @@ import numpy as np
 
 from ingest.config import Config
 from ingest.errors import BadInputError
-from ingest.sources import FileInfo, describe_file, list_files
+from ingest.sources import FileInfo, describe_file, describe_table, list_files
 
 __all__ = ["Unit", "UnitPlan", "build_plan", "deal_units", "philox"]
 
@@ -63,6 +63,7 @@ class UnitPlan:
       units: every unit, in file order.
       skipped_files: (path, reason, message) for files skipped under ``on_bad_file: skip``.
       fingerprint: hash of the files and their metadata.
+      pretokenized: per source, whether its column holds token ids (``tokens_column``).
     """
 
     files: tuple[FileInfo, ...]
@@ -70,6 +71,7 @@ class UnitPlan:
     units: tuple[Unit, ...]
     skipped_files: tuple[tuple[str, str, str], ...]
     fingerprint: str
+    pretokenized: tuple[bool, ...] = ()
 
     @property
     def total_rows(self) -> int:
@@ -91,12 +93,24 @@ def build_plan(config: Config) -> UnitPlan:
       BadInputError: a file is unreadable or lacks a usable text column, unless
         ``on_bad_file: skip`` (then it is recorded in ``skipped_files``).
       ValueError: the corpus has no rows, or fewer units than ``num_streams``.
+
+    A ``materialized`` source gets ``ingest.replay.build_replay_plan``'s plan instead.
     """
+    if any(s.kind == "materialized" for s in config.sources):
+        from ingest.replay import build_replay_plan  # noqa: PLC0415 (replay imports this module)
+
+        return build_replay_plan(config)
     files: list[FileInfo] = []
     file_source: list[int] = []
     skipped: list[tuple[str, str, str]] = []
     missing: list[str] = []
     for si, src in enumerate(config.sources):
+        tokens = src.tokens_column is not None
+        if src.table is not None:
+            files.append(describe_table(f"memory:sources[{si}]", src.table, src.column,
+                                        src.table_key(), tokens=tokens))
+            file_source.append(si)
+            continue
         try:
             paths = list_files(src.paths, src.format)
         except FileNotFoundError as e:
@@ -104,7 +118,7 @@ def build_plan(config: Config) -> UnitPlan:
             continue
         for p in paths:
             try:
-                info = describe_file(p, src.format, src.text_column)
+                info = describe_file(p, src.format, src.column, tokens=tokens)
             except BadInputError as e:
                 # A missing or mistyped column is a config mistake, never skipped silently.
                 if config.on_bad_file == "skip" and e.reason == "corrupt_file":
@@ -148,12 +162,15 @@ def build_plan(config: Config) -> UnitPlan:
             f"{sum(u.num_rows for u in units)} rows) or num_streams, or add data.")
     blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups), f.content_key]
                        for f in files]
-                      + [list(config.sources[i].text_column for i in range(len(config.sources)))]
-                      + [config.unit_rows])
+                      + [[s.text_column for s in config.sources]]
+                      + [config.unit_rows]
+                      + ([[s.tokens_column for s in config.sources]]
+                         if any(s.tokens_column for s in config.sources) else []))
     return UnitPlan(files=tuple(files),
-                    text_columns=tuple(s.text_column for s in config.sources),
+                    text_columns=tuple(s.column for s in config.sources),
                     units=tuple(units), skipped_files=tuple(skipped),
-                    fingerprint=hashlib.sha256(blob.encode()).hexdigest()[:16])
+                    fingerprint=hashlib.sha256(blob.encode()).hexdigest()[:16],
+                    pretokenized=tuple(s.tokens_column is not None for s in config.sources))
 
 
 def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,

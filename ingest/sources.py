@@ -373,7 +373,7 @@ def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
 
 # Reason codes for bad documents; index 0 means "good".
 BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json",
-               "invalid_token_id")
+               "invalid_token_id", "tokenizer_error", "worker_crash")
 
 
 def _mark_empty(arr: pa.Array, texts: list, bad: np.ndarray) -> tuple[list, np.ndarray]:

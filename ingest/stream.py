@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
@@ -50,6 +51,8 @@ class StreamState:
       skipped: bad documents skipped, ``{reason: {path: count}}``.
       skipped_units: units skipped as unreadable, ``{path: rows}``.
       truncated_documents, truncated_tokens: cut by ``long_documents: truncate``.
+      poison: ``[epoch, unit, doc]`` of documents located as killing their worker, skipped
+        (``on_bad_document: skip``) and counted as ``worker_crash``.
     """
 
     epoch: int = 0
@@ -64,6 +67,7 @@ class StreamState:
     skipped_units: dict[str, int] = dataclasses.field(default_factory=dict)
     truncated_documents: int = 0
     truncated_tokens: int = 0
+    poison: list[list[int]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -134,6 +138,8 @@ class Stream:
         self.plan = plan
         self.stream_id = stream_id
         self.source = source  # None: every source's units, pooled; else one mixture component
+        self._trace = None
+        self._tokenizer_error = ""
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
         self._deals: dict[int, list[int]] = {}
         self.set_state(StreamState().to_json())
@@ -188,33 +194,124 @@ class Stream:
             order = philox(c.seed, epoch, uid, 0xD0C).permutation(unit.num_rows)
         order = order[first_doc:]
         arr = arr.take(pa.array(order))
-        texts, bad = decode_texts(arr)
+        pretokenized = bool(self.plan.pretokenized and self.plan.pretokenized[unit.source])
+        if pretokenized:
+            texts, bad = None, self._check_ids(arr)
+        else:
+            texts, bad = decode_texts(arr)
         if pre_bad is not None:
             pre = pre_bad[order]
             bad = np.where(pre != 0, pre, bad)
-        if bad.any() and c.on_bad_document == "error":
-            i = int(np.flatnonzero(bad)[0])
-            row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[i])
-            reason = BAD_REASONS[bad[i]]
-            raise BadInputError(
-                f"{info.path}: row {row} (in row group {unit.group}), column "
-                f"{self.plan.text_columns[unit.source]!r}: {reason.replace('_', ' ')}; fix the "
-                f"data or set on_bad_document: skip to skip such documents (counted)",
-                reason=reason, path=info.path, row=row)
-        good = [t for t, b in zip(texts, bad, strict=True) if not b]
-        encoded = self.tokenizer.encode_batch(good) if good else []
-        lengths = np.zeros(len(texts), dtype=np.int64)
-        lengths[bad == 0] = [len(e) + 1 for e in encoded]
-        offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+        for e, p, d in self._state.poison:
+            # Documents located as killing their worker (actors.pool), skipped by config.
+            if (e, p) == (epoch, pos) and d >= first_doc:
+                bad[d - first_doc] = BAD_REASONS.index("worker_crash")
+        self._raise_first_bad(bad, info, unit, order)
+        n = len(bad)
+        lengths = np.zeros(n, dtype=np.int64)
+        if pretokenized:
+            lengths[bad == 0] = pc.list_value_length(arr).to_numpy(
+                zero_copy_only=False)[bad == 0] + 1
+        else:
+            good_idx = np.flatnonzero(bad == 0)
+            encoded, failed = self._encode([texts[i] for i in good_idx.tolist()], epoch, pos,
+                                           first_doc + good_idx)
+            if failed:
+                bad[good_idx[failed]] = BAD_REASONS.index("tokenizer_error")
+                self._raise_first_bad(bad, info, unit, order, detail=self._tokenizer_error)
+                encoded = [x for x in encoded if x is not None]
+            lengths[bad == 0] = [len(e) + 1 for e in encoded]
+        offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.empty(int(offsets[-1]), dtype=np.int32)
         starts = np.zeros(len(tokens), dtype=bool)
         good_offsets = offsets[:-1][bad == 0]
-        for at, e in zip(good_offsets.tolist(), encoded, strict=True):
-            tokens[at:at + len(e)] = e
+        if pretokenized:
+            good_arr = arr.filter(pa.array(bad == 0))
+            ids = pc.list_flatten(good_arr).to_numpy(zero_copy_only=False)
+            # Every position but each document's last (its EOS) takes the next id in order.
+            is_eos = np.zeros(len(tokens), dtype=bool)
+            is_eos[offsets[1:][bad == 0] - 1] = True
+            tokens[~is_eos] = ids
+        else:
+            for at, e in zip(good_offsets.tolist(), encoded, strict=True):
+                tokens[at:at + len(e)] = e
         tokens[offsets[1:][bad == 0] - 1] = self.tokenizer.eos_id
         starts[good_offsets] = True
         return _UnitTokens(epoch, pos, first_doc, tokens, starts, offsets, bad, info.path)
+
+    def _encode(self, texts: list[str], epoch: int, pos: int, docs: np.ndarray
+                ) -> tuple[list[np.ndarray | None], list[int]]:
+        """Token ids of ``texts`` (documents ``docs`` of unit ``pos``), and the indices of the
+        texts the tokenizer failed on (None in their place).
+
+        One call for all normally; one document at a time when the batch fails (to find which)
+        or while traced (``set_trace``: the trace names each document before it is tokenized,
+        so a document that kills the process is known afterwards).
+        """
+        if self._trace is None:
+            try:
+                return self.tokenizer.encode_batch(texts), []
+            except BaseException as e:  # noqa: BLE001 -- tokenizers panic with BaseException
+                if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
+                    raise
+        out: list[np.ndarray | None] = []
+        failed = []
+        for i, (t, d) in enumerate(zip(texts, docs.tolist(), strict=True)):
+            if self._trace is not None:
+                self._trace({"source": self.source, "epoch": epoch, "unit": pos, "doc": d})
+            try:
+                out.append(self.tokenizer.encode_batch([t])[0])
+            except BaseException as e:  # noqa: BLE001
+                if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
+                    raise
+                self._tokenizer_error = f"{type(e).__name__}: {e}"
+                failed.append(i)
+                out.append(None)
+        return out, failed
+
+    def set_trace(self, trace) -> None:
+        """Calls ``trace(where)`` before tokenizing each document (None: stop); ``where`` is
+        what ``add_poison`` takes. Slow: for locating a document that kills its worker."""
+        self._trace = trace
+
+    def add_poison(self, where: dict[str, Any]) -> None:
+        """Marks the document ``where`` (from a trace) to be skipped as ``worker_crash``."""
+        entry = [int(where["epoch"]), int(where["unit"]), int(where["doc"])]
+        if entry not in self._state.poison:
+            self._state.poison.append(entry)
+        self._loaded.clear()
+        self._batch = self._batch_next = None
+
+    def _raise_first_bad(self, bad: np.ndarray, info, unit, order: np.ndarray,
+                         detail: str | None = None) -> None:
+        """Under ``on_bad_document: error``, raises for the first bad document, naming it."""
+        if not bad.any() or self.config.on_bad_document != "error":
+            return
+        i = int(np.flatnonzero(bad)[0])
+        row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[i])
+        reason = BAD_REASONS[bad[i]]
+        raise BadInputError(
+            f"{info.path}: row {row} (in row group {unit.group}), column "
+            f"{self.plan.text_columns[unit.source]!r}: {reason.replace('_', ' ')}"
+            + (f" ({detail})" if detail else "") + "; fix the data or set on_bad_document: "
+            "skip to skip such documents (counted)", reason=reason, path=info.path, row=row)
+
+    def _check_ids(self, arr: pa.Array) -> np.ndarray:
+        """Reason codes for a unit of token-id lists: null, empty, or an id outside the
+        tokenizer's vocabulary."""
+        n = len(arr)
+        lengths = pc.list_value_length(arr).fill_null(-1).to_numpy(zero_copy_only=False)
+        bad = np.where(lengths < 0, BAD_REASONS.index("null_text"),
+                       np.where(lengths == 0, BAD_REASONS.index("empty_text"), 0)).astype(np.int8)
+        if n and (lengths > 0).any():
+            ids = pc.list_flatten(arr).to_numpy(zero_copy_only=False)
+            out = (ids < 0) | (ids >= self.tokenizer.vocab_size)
+            if out.any():
+                # The document of each out-of-range id: flatten skips null and empty lists.
+                doc_of = np.repeat(np.arange(n), np.maximum(lengths, 0))
+                bad[np.unique(doc_of[out])] = BAD_REASONS.index("invalid_token_id")
+        return bad
 
     def describe_head(self) -> str:
         """Where the head is, in the corpus's terms: ``FILE row N (unit U of epoch E)``."""
@@ -467,6 +564,10 @@ def open_stream(config: Config, plan: UnitPlan, stream_id: int,
                 tokenizer: Tokenizer | None = None) -> Stream:
     """The stream ``stream_id`` of the config: the one constructor workers, the local backend
     and tools use, so every kind of stream (text, mixture, replay) is built the same way."""
+    if config.sources[0].kind == "materialized":
+        from ingest.replay import ReplayStream  # noqa: PLC0415 (replay imports this module)
+
+        return ReplayStream(config, plan, stream_id)
     if len(config.sources) > 1:
         from ingest.mixture import MixedStream  # noqa: PLC0415 (mixture imports this module)
 

@@ -570,3 +570,38 @@ def test_counts_and_rows_do_not_depend_on_the_skip_policy_for_clean_data(tmp_pat
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
     assert sa == sb and all(s["skipped"] == {} and s["skipped_units"] == {} for s in sa)
+
+
+class _FailsOn:
+    """A real tokenizer that raises on documents holding ``marker`` (a tokenizer bug or panic
+    on one document: the fake stands for input no real vocabulary here fails on)."""
+
+    def __init__(self, marker: str):
+        self._tok = load_tokenizer("gpt2")
+        self.name, self.eos_id, self.vocab_size = "gpt2", self._tok.eos_id, self._tok.vocab_size
+        self.marker = marker
+
+    def encode_batch(self, texts):
+        if any(self.marker in t for t in texts):
+            raise RuntimeError("tokenizer panicked")
+        return self._tok.encode_batch(texts)
+
+
+def test_a_document_the_tokenizer_fails_on_is_named_or_skipped_and_counted(tmp_path):
+    texts = make_texts(30, seed=41)
+    texts[17] += " BOOM"
+    path = write_parquet(tmp_path / "a.parquet", texts, row_group_size=10)
+    nulled = write_parquet(tmp_path / "b.parquet",
+                           [None if i == 17 else t for i, t in enumerate(texts)],
+                           row_group_size=10)
+    config = make_config([path], shuffle=False)
+    with pytest.raises(BadInputError, match=r"row 17 .*tokenizer error \(RuntimeError: "
+                                            r"tokenizer panicked\)") as e:
+        drain(Stream(config, build_plan(config), 0, _FailsOn("BOOM")), 4)
+    assert e.value.reason == "tokenizer_error"
+    skip = make_config([path], on_bad_document="skip")
+    stream = Stream(skip, build_plan(skip), 0, _FailsOn("BOOM"))
+    got = drain(stream, 4)
+    ref_cfg = make_config([nulled], on_bad_document="skip")
+    np.testing.assert_array_equal(got, drain(Stream(ref_cfg, build_plan(ref_cfg), 0), 4))
+    assert stream.get_state()["skipped"] == {"tokenizer_error": {path: 1}}

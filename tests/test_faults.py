@@ -156,3 +156,56 @@ def test_a_stream_that_keeps_failing_stops_with_an_error_naming_file_and_row(ray
         assert str(corpus) in where and " row " in where
     finally:
         pool.close()
+
+
+def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_cluster,
+                                                                            tmp_path):
+    """on_bad_document: skip: a document whose tokenizing kills the worker process every time
+    is located (traced on a disposable worker), skipped and counted as worker_crash; every
+    other row is as if that document were a null text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actors.pool import WorkerPool
+    from ingest import build_plan
+    from ingest.plan import deal_units
+    from ingest.stream import Stream
+    from tests.helpers import make_texts
+
+    marker = "POISON-7f3a"
+    texts = [make_texts(40, seed=20 + i) for i in range(2)]
+    texts[1][13] = texts[1][13] + " " + marker
+    for name, null in (("poisoned", False), ("nulled", True)):
+        (tmp_path / name).mkdir()
+        for i, t in enumerate(texts):
+            col = [None if (null and i == 1 and j == 13) else x for j, x in enumerate(t)]
+            pq.write_table(pa.table({"text": pa.array(col, pa.string())}),
+                           tmp_path / name / f"part-{i}.parquet", row_group_size=10)
+    cfg = _config(tmp_path / "poisoned", num_epochs=1, num_streams=4, global_batch_size=8,
+                  on_bad_document="skip", chunk_rows=2, prefetch=1)
+    ref_cfg = _config(tmp_path / "nulled", num_epochs=1, num_streams=4, global_batch_size=8,
+                      on_bad_document="skip", chunk_rows=2, prefetch=1)
+    plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)
+    deal = dict(num_streams=4, seed=cfg.seed, epoch=0, shuffle=True)
+    assert deal_units(plan, **deal) == deal_units(ref_plan, **deal), "precondition: same deal"
+
+    pool = WorkerPool(cfg, plan, list(range(4)), num_workers=2, get_timeout_s=60)
+    try:
+        pool.inject_poison(marker)
+        pool.open({s: (None, 0) for s in range(4)})
+        for s in range(4):
+            rows, last = [], None
+            while last is None or not last.exhausted:
+                last = pool.next_chunk(s)
+                rows.append(last.fields)
+            got = np.concatenate(rows, axis=1)
+            ref = Stream(ref_cfg, ref_plan, s)
+            want = ref.produce(10_000).fields
+            np.testing.assert_array_equal(got, want, err_msg=f"stream {s}")
+            crashed = last.state_after["skipped"].get("worker_crash", {})
+            nulled = ref.get_state()["skipped"].get("null_text", {})
+            assert sum(crashed.values()) == sum(nulled.values())
+        assert pool.poisoned == 1
+        assert pool.restarts >= pool.max_failures
+    finally:
+        pool.close()
