@@ -489,7 +489,8 @@ class HostFeed:
     @property
     def dataset_size(self) -> int:
         """Documents per epoch: the rows of the unit plan, exact from the files' metadata
-        (bad documents skipped while reading are counted in ``stats()``, not subtracted)."""
+        (bad documents skipped while reading are counted in ``stats()``, not subtracted). For a
+        materialized source, its packed rows."""
         return self.plan.total_rows
 
     @property
@@ -507,19 +508,26 @@ class HostFeed:
             return IteratorLength(None, True, "num_epochs is null: the data never ends")
         if self._done and self._end_step is not None:
             return IteratorLength(self._end_step, True, "this pass has ended")
-        dealt = self._deals()
-        exact_rows = (len(c.sources) == 1 and c.packing == "none"
-                      and c.long_documents == "truncate" and c.on_bad_document == "error"
-                      and c.on_bad_file == "error")
-        if exact_rows:
-            rows = dealt["docs"].sum(axis=0)
-            basis = "packing none with long_documents truncate: one row per document"
-            exact = dealt["exact"]
+        replay = getattr(self.plan, "stream_units", None)
+        if replay is not None:
+            # A materialized directory (ingest.replay): its manifest counts every stream's rows.
+            rows = np.array([sum(self.plan.units[u].num_rows for u in units)
+                             for units in replay], np.int64) * c.num_epochs
+            exact, basis = True, "the materialized directory's rows, from its manifest"
         else:
-            rows, basis = self._estimated_rows(dealt)
-            exact = False
-        if not dealt["exact"]:
-            basis += f"; epochs past {DEALT_EPOCHS} assumed like the first {DEALT_EPOCHS}"
+            dealt = self._deals()
+            exact_rows = (len(c.sources) == 1 and c.packing == "none"
+                          and c.long_documents == "truncate" and c.on_bad_document == "error"
+                          and c.on_bad_file == "error")
+            if exact_rows:
+                rows = dealt["docs"].sum(axis=0)
+                basis = "packing none with long_documents truncate: one row per document"
+                exact = dealt["exact"]
+            else:
+                rows, basis = self._estimated_rows(dealt)
+                exact = False
+            if not dealt["exact"]:
+                basis += f"; epochs past {DEALT_EPOCHS} assumed like the first {DEALT_EPOCHS}"
         if c.drop_remainder:
             steps = min(steps_covering(c, int(r), full=True) for r in rows)
         else:
