@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+import pyarrow as pa
 import ray
 
 from actors.metrics import WorkerMetrics
@@ -66,6 +67,9 @@ class StreamWorker:
 
     def __init__(self, config: Config, plan: UnitPlan, name: str):
         os.environ.update(WORKER_ENV)
+        # Arrow's compute and decode pool defaults to one thread per core of the node; the
+        # actor reserves one CPU, and other threads only contend with the other workers.
+        pa.set_cpu_count(1)
         self._config = config
         self._plan = plan
         self._name = name

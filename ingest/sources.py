@@ -259,7 +259,8 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
     try:
         if info.format == "parquet":
             with fs.open_input_file(local) as f:
-                table = pq.ParquetFile(f).read_row_group(group, columns=[text_column])
+                table = pq.ParquetFile(f).read_row_group(group, columns=[text_column],
+                                                             use_threads=False)
             col = table.column(0).slice(start, stop - start)
             return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
         if info.format == "arrow":
