@@ -58,6 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "process 0 prints one summary of the global batches")
     h.add_argument("--devices-per-host", type=int, default=4, metavar="D",
                    help="forced CPU devices of each --hosts process (default 4)")
+    m = sub.add_parser(
+        "materialize", help="run the streams of a finite config to their end and write their "
+        "rows as Parquet segments (resumable)",
+        description="Run every stream of CONFIG (finite num_epochs) to its end and write its "
+                    "rows into DIR as Parquet segments, with a manifest. Rerunning the same "
+                    "command continues an interrupted job: finished segments are kept. A source "
+                    "{kind: materialized, paths: [DIR]} replays them.")
+    m.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
+    m.add_argument("--out", required=True, metavar="DIR", help="the directory to write (or to "
+                   "continue)")
+    m.add_argument("--segment-rows", type=int, default=4096, metavar="N",
+                   help="rows per segment file (default 4096; a stream's last one is shorter)")
+    m.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
+    m.add_argument("--backend", choices=("ray", "local"), default="ray",
+                   help="ray: worker actors (default); local: in-process, no Ray")
+    m.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
+                   "a local cluster on 127.0.0.1)")
+    m.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on the last line of stdout")
+    m.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (or periodic progress line) on stderr")
     b = sub.add_parser("bench", help="benchmark the feed against the tokenizer's limit, grain "
                        "and Ray Data", description="Benchmark: the single-core tokenizer limit, "
                        "`ingest run`, grain and Ray Data on one corpus (default: the built-in "
@@ -80,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and checks the command line; exits with status 2 naming every problem."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "materialize":
+        bad = [f"{flag}={v} must be positive" for flag, v in
+               (("--segment-rows", args.segment_rows), ("--workers", args.workers))
+               if v is not None and v <= 0]
+        if bad:
+            parser.error("; ".join(bad))
+        return args
     if args.command == "bench":
         if args.steps is not None and args.steps <= 0:
             parser.error(f"--steps={args.steps} must be positive")

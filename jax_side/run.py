@@ -265,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args)
+        if args.command == "materialize":
+            from jax_side.materialize import materialize_command  # noqa: PLC0415
+
+            return materialize_command(args)
         if args.hosts:
             from jax_side.multihost import launch_local_hosts
 

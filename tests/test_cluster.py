@@ -172,24 +172,32 @@ def test_ray_job_submit_runs_ingest_on_a_loopback_cluster(tmp_path):
                     pytest.fail(f"the Ray head's dashboard did not answer within 90 s "
                                 f"(head exit code {head.poll()})")
                 threading.Event().wait(0.5)
-        submit = [str(bin_dir / "ray"), "job", "submit",
-                  f"--address=http://127.0.0.1:{dash}", "--",
-                  "ingest", "run", str(config), "--steps", "3", "--json", "--no-progress"]
-        deadline = time.monotonic() + 120
-        while True:
-            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=240)
-            # The job agent starts after the dashboard answers; Ray says to try again.
-            if "No available agent" not in out.stdout + out.stderr:
-                break
-            if time.monotonic() > deadline:
-                pytest.fail("the Ray head's job agent was not ready within 120 s")
-            threading.Event().wait(1.0)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        assert "succeeded" in out.stdout
-        summary = next(json.loads(line) for line in reversed(out.stdout.splitlines())
-                       if line.startswith("{"))
+        def submit(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
+            cmd = [str(bin_dir / "ray"), "job", "submit", f"--address=http://127.0.0.1:{dash}",
+                   "--", "ingest", *args]
+            deadline = time.monotonic() + 120
+            while True:
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+                # The job agent starts after the dashboard answers; Ray says to try again.
+                if "No available agent" not in out.stdout + out.stderr:
+                    break
+                if time.monotonic() > deadline:
+                    pytest.fail("the Ray head's job agent was not ready within 120 s")
+                threading.Event().wait(1.0)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            assert "succeeded" in out.stdout
+            return out, next(json.loads(line) for line in reversed(out.stdout.splitlines())
+                             if line.startswith("{"))
+
+        out, summary = submit("run", str(config), "--steps", "3", "--json", "--no-progress")
         assert summary["steps"] == 3 and summary["backend"] == "ray"
         assert "steps 3" in out.stdout  # the human summary is in the job's logs too
+        # The same cluster runs a materialize job through the worker pool.
+        mat = tmp_path / "materialized"
+        out, summary = submit("materialize", str(config), "--out", str(mat), "--json")
+        assert summary["complete"] and summary["segments_written"] == summary["segments"] > 0
+        assert f"materialize {mat}: complete" in out.stdout  # the human summary, in the logs
+        assert json.loads((mat / "manifest.json").read_text())["complete"]
     finally:
         # Only this head's process group: `ray stop` would end every Ray cluster on the machine.
         os.killpg(head.pid, signal.SIGTERM)

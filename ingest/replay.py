@@ -1,0 +1,239 @@
+"""Replaying a materialized directory: the rows ``ingest materialize`` wrote, fed again.
+
+A config whose one source is ``{kind: materialized, paths: [DIR]}`` gets a
+``MaterializedPlan`` (one unit per segment) and ``ReplayStream`` streams, which have the
+interface of ``ingest.stream.Stream``, so the feed, the workers, checkpoints and resume work
+unchanged. A replay stream reads its segments in order, one row group at a time::
+
+    stream 3   segment-000000 [R rows] | segment-000001 [R rows] | segment-000002 [< R]
+    state      {epoch: 0, segment: 1, row: 37}  = the next row is row 37 of segment 1
+
+Its rows are the rows the original stream produced, so with the same ``seq_len``,
+``num_streams`` and any ``global_batch_size`` that ``num_streams`` divides, the batches (and
+their digests) equal those of streaming the original config with that batch size.
+``num_epochs`` replays the whole directory that many times (null: forever).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from ingest.config import Config
+from ingest.materialize import MANIFEST, read_manifest
+from ingest.plan import Unit, UnitPlan
+from ingest.shift import FIELDS
+from ingest.sources import FileInfo
+from ingest.stream import Chunk
+
+__all__ = ["MaterializedPlan", "ReplayState", "ReplayStream", "build_replay_plan"]
+
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaterializedPlan(UnitPlan):
+    """The plan of a materialized directory: ``files`` and ``units`` are its segments.
+
+    Attributes:
+      root: the directory.
+      seq_len: tokens per row.
+      stream_units: per stream, the indices of its segments in ``units``, in order.
+    """
+
+    root: str
+    seq_len: int
+    stream_units: tuple[tuple[int, ...], ...]
+
+
+def build_replay_plan(config: Config) -> MaterializedPlan:
+    """Reads the manifest of the config's materialized source and checks it fits the config.
+
+    Raises:
+      FileNotFoundError: no manifest, or segment files missing (all listed).
+      ValueError: sources mixed with a materialized one, an unfinished materialization,
+        seq_len or num_streams other than the directory's, segments changed on disk.
+    """
+    kinds = [s.kind for s in config.sources]
+    if len(kinds) > 1:
+        raise ValueError(f"sources have kinds {kinds}: a materialized source replays rows that "
+                         f"are already packed and cannot be mixed with other sources; give it "
+                         f"alone (materialize the mixture instead)")
+    root = config.sources[0].paths[0]
+    if "://" in root:
+        raise ValueError(f"sources[0].paths={root!r}: a materialized source must be a local "
+                         f"directory")
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise FileNotFoundError(f"{os.path.join(root, MANIFEST)} does not exist: sources[0] "
+                                f"(kind materialized) must name a directory written by "
+                                f"`ingest materialize CONFIG --out {root}`")
+    problems = []
+    if not manifest.get("complete"):
+        todo = [s for s, st in enumerate(manifest["streams"]) if not st["complete"]]
+        problems.append(f"the materialization in {root} is unfinished (streams {todo[:10]}"
+                        f"{' ...' if len(todo) > 10 else ''} not complete); rerun the same "
+                        f"`ingest materialize` command to finish it")
+    for key in ("seq_len", "num_streams"):
+        if getattr(config, key) != manifest[key]:
+            problems.append(f"{key}={getattr(config, key)} but {root} was materialized with "
+                            f"{key}={manifest[key]}; set {key}: {manifest[key]} (rows cannot be "
+                            f"re-cut)")
+    if problems:
+        raise ValueError("; ".join(problems))
+    files, units, stream_units, missing = [], [], [], []
+    row_bytes = len(FIELDS) * 4 * manifest["seq_len"]
+    for st in manifest["streams"]:
+        ids = []
+        for seg in st["segments"]:
+            path = os.path.join(root, seg["path"])
+            size = os.path.getsize(path) if os.path.exists(path) else None
+            if size != seg["bytes"]:
+                missing.append(f"{path} ({'missing' if size is None else f'{size} bytes'}, "
+                               f"the manifest has {seg['bytes']})")
+            ids.append(len(units))
+            units.append(Unit(source=0, file=len(files), group=0, row_start=0,
+                              row_end=seg["rows"], nbytes=seg["rows"] * row_bytes))
+            files.append(FileInfo(path=path, format="parquet", size=seg["bytes"],
+                                  row_groups=(seg["rows"],), group_bytes=(seg["rows"] * row_bytes,),
+                                  content_key=seg["sha256"]))
+        stream_units.append(tuple(ids))
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} segment(s) of {root} are missing or changed: "
+                                + "; ".join(missing[:20])
+                                + ". Materialize again into a new directory")
+    blob = json.dumps([manifest["config_fingerprint"], manifest["corpus_fingerprint"],
+                       manifest["seq_len"], [f.content_key for f in files],
+                       [len(u) for u in stream_units]])
+    return MaterializedPlan(files=tuple(files), text_columns=(), units=tuple(units),
+                            skipped_files=(), fingerprint=hashlib.sha256(blob.encode())
+                            .hexdigest()[:16], root=root, seq_len=manifest["seq_len"],
+                            stream_units=tuple(stream_units))
+
+
+@dataclasses.dataclass
+class ReplayState:
+    """Where a replay stream is; JSON at the boundary only.
+
+    Attributes:
+      epoch: pass over the directory.
+      segment: index into the stream's segments.
+      row: the next row in that segment.
+      rows_emitted: rows produced so far.
+      exhausted: no rows are left.
+    """
+
+    epoch: int = 0
+    segment: int = 0
+    row: int = 0
+    rows_emitted: int = 0
+    exhausted: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(dataclasses.asdict(self), version=STATE_VERSION, kind="replay")
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ReplayState:
+        d = dict(d)
+        if d.pop("kind", None) != "replay" or d.pop("version", None) != STATE_VERSION:
+            raise ValueError(f"not a replay stream state (version {STATE_VERSION}): {d!r}; it "
+                             f"was saved by a stream of another kind or ingest version")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - names:
+            raise ValueError(f"replay stream state has unknown keys {sorted(set(d) - names)}")
+        return cls(**d)
+
+
+class ReplayStream:
+    """Stream ``stream_id`` of a materialized directory; the interface of ``Stream``."""
+
+    def __init__(self, config: Config, plan: UnitPlan, stream_id: int):
+        if not isinstance(plan, MaterializedPlan):
+            raise TypeError(f"a materialized source needs the plan build_plan makes for it, got "
+                            f"{type(plan).__name__}; build it with ingest.build_plan(config)")
+        if not 0 <= stream_id < config.num_streams:
+            raise ValueError(f"stream_id={stream_id} outside [0, num_streams={config.num_streams})")
+        self.config = config
+        self.plan = plan
+        self.stream_id = stream_id
+        self._units = plan.stream_units[stream_id]
+        self._file: tuple[int, pq.ParquetFile, np.ndarray] | None = None  # segment, file, ends
+        self._group: tuple[int, int, list[np.ndarray]] | None = None  # segment, first row, rows
+        self.set_state(ReplayState().to_json())
+
+    def get_state(self) -> dict[str, Any]:
+        return self._state.to_json()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._state = ReplayState.from_json(state)
+        self._settle()
+
+    def _rows(self, segment: int) -> int:
+        return self.plan.units[self._units[segment]].num_rows
+
+    def _settle(self) -> None:
+        """Moves past segment ends (and epoch ends) so the state names a row that exists."""
+        st = self._state
+        epochs = self.config.num_epochs
+        while not st.exhausted:
+            if st.segment < len(self._units) and st.row < self._rows(st.segment):
+                return
+            if st.segment < len(self._units):
+                st.segment, st.row = st.segment + 1, 0
+                continue
+            if not self._units or (epochs is not None and st.epoch + 1 >= epochs):
+                st.exhausted = True
+                return
+            st.epoch, st.segment, st.row = st.epoch + 1, 0, 0
+
+    def _group_at(self, segment: int, row: int) -> tuple[int, list[np.ndarray]]:
+        """The row group holding ``row`` of ``segment``: its first row and six [g, L] arrays."""
+        g = self._group
+        if g is not None and g[0] == segment and g[1] <= row < g[1] + len(g[2][0]):
+            return g[1], g[2]
+        L = self.plan.seq_len
+        if self._file is None or self._file[0] != segment:
+            f = pq.ParquetFile(self.plan.files[self.plan.units[self._units[segment]].file].path)
+            rows = [f.metadata.row_group(i).num_rows // L for i in range(f.num_row_groups)]
+            self._file = (segment, f, np.cumsum(rows))
+        _, f, ends = self._file
+        i = int(np.searchsorted(ends, row, side="right"))
+        table = f.read_row_group(i, columns=list(FIELDS))
+        arrays = [table.column(name).to_numpy().reshape(-1, L) for name in FIELDS]
+        first = int(ends[i - 1]) if i else 0
+        self._group = (segment, first, arrays)
+        return first, arrays
+
+    def produce(self, n_rows: int) -> Chunk:
+        """The next ``n_rows`` rows (fewer only at the end), as a chunk."""
+        if n_rows <= 0:
+            raise ValueError(f"n_rows={n_rows} must be positive")
+        st = self._state
+        out = np.empty((len(FIELDS), n_rows, self.plan.seq_len), dtype=np.int32)
+        got = 0
+        while got < n_rows and not st.exhausted:
+            first, arrays = self._group_at(st.segment, st.row)
+            a = st.row - first
+            take = min(n_rows - got, len(arrays[0]) - a)
+            for i, arr in enumerate(arrays):
+                out[i, got:got + take] = arr[a:a + take]
+            got += take
+            st.row += take
+            self._settle()
+        st.rows_emitted += got
+        fields = out if got == n_rows else np.ascontiguousarray(out[:, :got])
+        return Chunk(self.stream_id, fields, self.get_state(), st.exhausted)
+
+    def describe_head(self) -> str:
+        """Where the stream is: ``SEGMENT row N (stream S, epoch E)``."""
+        st = self._state
+        if st.exhausted:
+            return "the end of its data"
+        path = self.plan.files[self.plan.units[self._units[st.segment]].file].path
+        return f"{path} row {st.row} (stream {self.stream_id}, epoch {st.epoch})"
