@@ -6,9 +6,10 @@ from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, ConfigError, StreamError
 from ingest.plan import UnitPlan, build_plan
 from ingest.shift import FIELDS
-from ingest.stream import Chunk, Stream
+from ingest.stream import Chunk, Stream, open_stream
 
 __all__ = [
     "FIELDS", "BadInputError", "BatchDigest", "Chunk", "Config", "ConfigError", "SourceConfig",
-    "Stream", "StreamError", "UnitPlan", "build_plan", "load_config", "step_digest",
+    "Stream", "StreamError", "UnitPlan", "build_plan", "load_config", "open_stream",
+    "step_digest",
 ]

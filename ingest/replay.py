@@ -29,7 +29,7 @@ from ingest.config import Config
 from ingest.materialize import MANIFEST, read_manifest
 from ingest.plan import Unit, UnitPlan
 from ingest.shift import FIELDS
-from ingest.sources import FileInfo
+from ingest.sources import FileInfo, numpy_view
 from ingest.stream import Chunk
 
 __all__ = ["MaterializedPlan", "ReplayState", "ReplayStream", "build_replay_plan"]
@@ -205,7 +205,7 @@ class ReplayStream:
         _, f, ends = self._file
         i = int(np.searchsorted(ends, row, side="right"))
         table = f.read_row_group(i, columns=list(FIELDS))
-        arrays = [table.column(name).to_numpy().reshape(-1, L) for name in FIELDS]
+        arrays = [numpy_view(table.column(name)).reshape(-1, L) for name in FIELDS]
         first = int(ends[i - 1]) if i else 0
         self._group = (segment, first, arrays)
         return first, arrays
