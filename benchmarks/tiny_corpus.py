@@ -1,0 +1,81 @@
+"""A corpus of many tiny documents, for the per-document overhead target of ``ingest bench``.
+
+The demo corpus has 1,758 documents of 18 KB on average, so per-document work hides behind
+the tokenizer. This one cuts the same standard-library source into runs of consecutive
+non-blank lines of at most ``MAX_DOC_BYTES`` bytes (median about 100 bytes), keeps the first
+``TEXT_BYTES`` of them, and writes 8 Parquet shards and a YAML config next to them::
+
+    python -m benchmarks.tiny_corpus          # prints the config's path
+    ingest bench "$(python -m benchmarks.tiny_corpus)"
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from ingest.demo import _cache_root, demo_config
+
+MAX_DOC_BYTES = 200
+TEXT_BYTES = 12 * 2**20  # about 3.6 M GPT-2 tokens: a few seconds of one core's tokenizer
+NUM_SHARDS = 8
+ROW_GROUP_SIZE = 2048
+
+
+def _tiny_documents(texts: list[str]) -> list[str]:
+    docs, total = [], 0
+    for text in texts:
+        cur: list[str] = []
+        size = 0
+        for line in text.splitlines():
+            if not line.strip():
+                if cur:
+                    docs.append("\n".join(cur))
+                    total += size
+                cur, size = [], 0
+                continue
+            n = len(line.encode()) + 1
+            if cur and size + n > MAX_DOC_BYTES:
+                docs.append("\n".join(cur))
+                total += size
+                cur, size = [], 0
+            cur.append(line[:MAX_DOC_BYTES])
+            size += min(n, MAX_DOC_BYTES)
+        if cur:
+            docs.append("\n".join(cur))
+            total += size
+        if total >= TEXT_BYTES:
+            break
+    return docs
+
+
+def write_tiny_corpus(root: str | None = None) -> str:
+    """Writes (once) the tiny-document shards and their config; returns the config's path."""
+    out = os.path.join(root or _cache_root(), "tiny-docs-v1")
+    config_path = os.path.join(out, "tiny.yaml")
+    if os.path.exists(config_path):
+        return config_path
+    demo = demo_config()
+    table = pq.read_table(list(demo.sources[0].paths)[0], columns=["text"])
+    docs = _tiny_documents(table.column("text").to_pylist())
+    os.makedirs(out, exist_ok=True)
+    for i in range(NUM_SHARDS):
+        tmp = os.path.join(out, f".part-{i:05d}.parquet.tmp")
+        pq.write_table(pa.table({"text": docs[i::NUM_SHARDS]}), tmp,
+                       row_group_size=ROW_GROUP_SIZE)
+        os.replace(tmp, os.path.join(out, f"part-{i:05d}.parquet"))
+    config = {"sources": [{"paths": [out], "text_column": "text"}], "tokenizer": "gpt2",
+              "seq_len": 1024, "global_batch_size": 32, "num_streams": 16, "packing": "concat",
+              "num_epochs": 1, "unit_rows": 256, "chunk_rows": 32, "prefetch": 2}
+    with open(config_path + ".tmp", "w") as f:
+        yaml.safe_dump(config, f)
+    os.replace(config_path + ".tmp", config_path)
+    return config_path
+
+
+if __name__ == "__main__":
+    print(write_tiny_corpus(sys.argv[1] if len(sys.argv) > 1 else None))
