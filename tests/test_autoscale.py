@@ -36,13 +36,15 @@ def test_policy_waits_one_window_after_a_change():
 @pytest.mark.slow
 def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_cluster,
                                                                          tmp_path):
-    write_parquet_corpus(tmp_path, n_files=3, docs_per_file=100, row_group_size=20, seed=8)
+    # Enough data for several autoscale windows after the first chunk, however fast one worker
+    # is (the whole run took under one 0.2 s window once the worker got faster).
+    write_parquet_corpus(tmp_path, n_files=3, docs_per_file=300, row_group_size=20, seed=8)
     # max_workers=8 on a 4-CPU test cluster: some grown workers can never start. They must
     # stay pending without stalling any stream.
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
                  global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10, chunk_rows=2,
                  workers=1, autoscale=True, min_workers=1, max_workers=8,
-                 autoscale_window_s=0.2)
+                 autoscale_window_s=0.05)
     sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
 
     def digest(feed):
