@@ -5,7 +5,8 @@ are produced first (by our streams, in this process; not timed), then replayed i
 
     hostfeed     HostFeed's own assembly (``_assemble``): copy k rows per stream into the
                  local batch, count tokens, snapshot the state, and form the six global arrays
-                 with jax.make_array_from_process_local_data
+                 (one batched jax.device_put in a single process, else six
+                 jax.make_array_from_process_local_data calls)
     row_copy     only the row copies into a fresh local batch
     make_array   only the six make_array_from_process_local_data calls on a ready batch
     np_copy      np.copy of one contiguous array of the same bytes: the floor

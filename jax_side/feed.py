@@ -3,7 +3,8 @@
 One per JAX process. A background thread pulls chunks (from Ray workers or in-process
 streams), copies each stream's k rows into its block of the local batch, pads streams that
 ended with all-zero rows, and forms one ``jax.Array`` per field on the user's sharding with
-``jax.make_array_from_process_local_data``. Up to ``device_prefetch`` finished batches wait in
+``jax.make_array_from_process_local_data`` (one batched ``jax.device_put`` when a single process
+holds the whole batch). Up to ``device_prefetch`` finished batches wait in
 a queue. Every batch carries the host state *after* it, so ``get_state`` describes exactly what
 the consumer has received, never what was prefetched.
 
@@ -193,6 +194,7 @@ class HostFeed:
         # have a row here (with drop_remainder: known to be full), written by the producer,
         # read by the consumer.
         self._multihost = jax.process_count() > 1 and config.num_epochs is not None
+        self._single_process = jax.process_count() == 1
         self._end = self._new_agreement()
         self._claim = 0
         self._partial_seen = False
@@ -333,8 +335,15 @@ class HostFeed:
         seg = local[FIELDS.index("inputs_segmentation")]
         tokens = int(np.count_nonzero(seg))
         shape = (size, cfg.seq_len)
-        arrays = {name: jax.make_array_from_process_local_data(self.sharding, local[i], shape)
-                  for i, name in enumerate(FIELDS)}
+        if self._single_process:
+            # One process holds the whole batch: one batched transfer of the six fields costs
+            # 0.16 ms against 0.29 ms for six make_array calls (1 device; 0.29 vs 0.39 on 8).
+            arrays = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)},
+                                    self.sharding)
+        else:
+            arrays = {name: jax.make_array_from_process_local_data(self.sharding, local[i],
+                                                                   shape)
+                      for i, name in enumerate(FIELDS)}
         return _Step(arrays, self._snapshot(), tokens, local.shape[1], padding_rows,
                      seg.size - tokens)
 
