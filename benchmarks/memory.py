@@ -117,13 +117,19 @@ def main(argv: list[str] | None = None) -> int:
               "peak_mib_per_epoch": per_epoch,
               "object_store_used_peak_mib": (store_figures["object_store"]["used_peak_bytes"]
                                              or 0) / 2**20,
-              "feed_object_store_bound_mib": summary.get("object_store_bytes_bound", 0) / 2**20}
+              "feed_object_store_bound_mib": summary.get("object_store_bytes_bound", 0) / 2**20,
+              "cpu_s": {k: round(v, 1) for k, v in store_figures["cpu_s"].items()},
+              "wall_s": round(store_figures["wall_s"], 1),
+              "other_programs_cpu_s": round(store_figures["other_programs_cpu_s"], 1)}
     print(f"{args.epochs} epochs, {steps} steps, {summary['tokens_per_s'] / 1e6:.2f} M tokens/s")
     print("epoch  host MiB  largest worker MiB  all workers MiB")
     for e, m in enumerate(per_epoch):
         print(f"{e:>5}  {m['host']:>8.0f}  {m['workers_max']:>18.0f}  {m['workers_sum']:>15.0f}")
     print(f"object store in use, peak: {result['object_store_used_peak_mib']:.1f} MiB "
           f"(the feed's bound: {result['feed_object_store_bound_mib']:.1f} MiB)")
+    print(f"CPU seconds over {result['wall_s']} s: " + ", ".join(
+        f"{k} {v}" for k, v in result["cpu_s"].items())
+        + f", other programs {result['other_programs_cpu_s']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
