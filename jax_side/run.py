@@ -77,6 +77,10 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         steps = "endless" if length["steps"] is None else f"{length['steps']:,} steps"
         lines.append(f"dataset size {s['dataset_size']:,} documents per epoch  iterator length "
                      f"{steps} ({'exact: ' if length['exact'] else ''}{length['basis']})")
+    if s.get("source_proportions"):
+        lines.append("mixture: " + ", ".join(
+            f"sources[{i}] {n:,} tokens ({100 * p:.1f}%)" for i, (n, p) in enumerate(
+                zip(s["tokens_by_source"], s["source_proportions"], strict=True))))
     if s.get("dropped_rows"):
         lines.append(f"drop_remainder dropped {s['dropped_rows']} row(s) "
                      f"({s['dropped_tokens']:,} tokens) of the last, partial step")
