@@ -14,26 +14,33 @@ import sys
 __all__ = ["build_parser", "parse_args"]
 
 
+def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments ``run`` and ``materialize`` share: what to run and where."""
+    p.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
+    p.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
+    p.add_argument("--backend", choices=("ray", "local"), default="ray",
+                   help="ray: worker actors (default); local: in-process, no Ray")
+    p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
+                   "a local cluster on 127.0.0.1)")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on the last line of stdout")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (or periodic progress line) on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ingest", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="feed batches into a mesh of all local devices",
                        description="Run the feed. Without CONFIG, runs the built-in demo corpus "
                                    "(the Python standard library's source as Parquet shards).")
-    r.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
+    _add_job_arguments(r)
     r.add_argument("--steps", type=int, help="stop after this many steps in total (a resumed "
                    "run stops at the same step); default: until the data ends")
-    r.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
-    r.add_argument("--backend", choices=("ray", "local"), default="ray",
-                   help="ray: worker actors (default); local: in-process, no Ray")
-    r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
-                   "a local cluster on 127.0.0.1)")
     r.add_argument("--digest", action="store_true",
                    help="SHA-256 over every global batch (comparable across runs)")
     r.add_argument("--digest-log", metavar="FILE",
                    help="append one line 'STEP SHA256' per delivered step")
-    r.add_argument("--json", action="store_true",
-                   help="print the summary as one JSON object on the last line of stdout")
     r.add_argument("--checkpoint-dir", metavar="DIR", help="save the feed state here (orbax)")
     r.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="save every K steps (needs --checkpoint-dir)")
@@ -44,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kill-worker-every", type=float, metavar="SECONDS",
                    help="fault injection: SIGKILL a random Ray worker this often (the batches "
                         "must not change)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     h = r.add_argument_group(
         "many JAX hosts", "On a cluster, run the same command on every host with --coordinator, "
         "--num-hosts and --host-id (or let JAX detect a SLURM / Open MPI / "
@@ -65,20 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "rows into DIR as Parquet segments, with a manifest. Rerunning the same "
                     "command continues an interrupted job: finished segments are kept. A source "
                     "{kind: materialized, paths: [DIR]} replays them.")
-    m.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
+    _add_job_arguments(m)
     m.add_argument("--out", required=True, metavar="DIR", help="the directory to write (or to "
                    "continue)")
     m.add_argument("--segment-rows", type=int, default=4096, metavar="N",
                    help="rows per segment file (default 4096; a stream's last one is shorter)")
-    m.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
-    m.add_argument("--backend", choices=("ray", "local"), default="ray",
-                   help="ray: worker actors (default); local: in-process, no Ray")
-    m.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
-                   "a local cluster on 127.0.0.1)")
-    m.add_argument("--json", action="store_true",
-                   help="print the summary as one JSON object on the last line of stdout")
-    m.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (or periodic progress line) on stderr")
     b = sub.add_parser("bench", help="benchmark the feed against the tokenizer's limit, grain "
                        "and Ray Data", description="Benchmark: the single-core tokenizer limit, "
                        "`ingest run`, grain and Ray Data on one corpus (default: the built-in "

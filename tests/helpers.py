@@ -7,8 +7,11 @@ files under a directory the test gives (``tmp_path``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import queue
 import random
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
+import pytest
 
 from ingest import FIELDS, Config, SourceConfig, Stream, build_plan
 from ingest.tokenize import load_tokenizer
@@ -246,3 +250,31 @@ def assert_resumes_identically(make_iterator: Callable[[], Any],
             np.testing.assert_array_equal(
                 got, want, err_msg=f"restored at step {i}: output {i + j} differs")
     return ResumeRun(outputs=outputs, states=states)
+
+
+# -- driving a feed -----------------------------------------------------------------------
+
+FEED_DEADLINE_S = 120.0  # generous for 2 CPUs; a healthy drain of a test corpus takes seconds
+
+
+def drain_feed(feed, max_steps: int = 1000, *, deadline_s: float = FEED_DEADLINE_S
+               ) -> list[dict[str, np.ndarray]]:
+    """The first ``max_steps`` batches of a feed as numpy, iterated on a helper thread so that
+    a hang fails the test with a message; an exception from the feed is re-raised here."""
+    out: queue.Queue = queue.Queue()
+
+    def consume():
+        try:
+            out.put([{k: np.asarray(v) for k, v in b.items()}
+                     for b in itertools.islice(feed, max_steps)])
+        except BaseException as e:  # noqa: BLE001 -- handed to the test thread
+            out.put(e)
+
+    threading.Thread(target=consume, daemon=True).start()
+    try:
+        got = out.get(timeout=deadline_s)
+    except queue.Empty:
+        pytest.fail(f"the feed did not finish within {deadline_s:.0f} s")
+    if isinstance(got, BaseException):
+        raise got
+    return got

@@ -11,13 +11,12 @@ says how many documents of each stream belong to which epoch.
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 from collections import Counter
 
 import jax
 import numpy as np
 import pytest
+from helpers import drain_feed as drain
 from helpers import make_config, split_documents, stream_tokens, tokenize, write_parquet_corpus
 
 from ingest import FIELDS, ConfigError, build_plan, step_digest
@@ -26,34 +25,11 @@ from ingest.tokenize import load_tokenizer
 from jax_side import HostFeed, batch_sharding
 from jax_side.multihost import EndAgreement
 
-DEADLINE_S = 120.0
 SEQ_LEN = 32
 FEED = dict(seq_len=SEQ_LEN, global_batch_size=8, num_streams=4, unit_rows=5, chunk_rows=3,
             seed=2)
 K = 2
 EPOCHS = 3
-
-
-def drain(feed: HostFeed, max_steps: int = 1000) -> list[dict[str, np.ndarray]]:
-    """Every batch of ``feed`` as numpy (on a helper thread, so a hang fails the test)."""
-    out: queue.Queue = queue.Queue()
-
-    def consume():
-        try:
-            batches = [{k: np.asarray(v) for k, v in b.items()}
-                       for b in itertools.islice(feed, max_steps)]
-            out.put(batches)
-        except BaseException as e:  # noqa: BLE001 -- handed to the test thread
-            out.put(e)
-
-    threading.Thread(target=consume, daemon=True).start()
-    try:
-        got = out.get(timeout=DEADLINE_S)
-    except queue.Empty:
-        pytest.fail(f"the feed did not finish within {DEADLINE_S:.0f} s")
-    if isinstance(got, BaseException):
-        raise got
-    return got
 
 
 def stream_block(batches, s: int) -> np.ndarray:

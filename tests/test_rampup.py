@@ -9,12 +9,11 @@ config without a ramp-up and with every resume point of the unbroken run.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 
 import jax
 import numpy as np
 import pytest
+from helpers import drain_feed as drain
 from helpers import make_config, write_parquet_corpus
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -22,36 +21,10 @@ from ingest import FIELDS, ConfigError, build_plan, step_digest
 from jax_side import HostFeed, batch_sharding
 from jax_side.feed import steps_covering
 
-DEADLINE_S = 120.0
 # B=16 rows, S=4 streams; factors 0.25, 0.5, 1.0 give 4, 8, 16 rows: k_t = 1, 2, 4.
 RAMP = {0: 0.25, 2: 0.5, 5: 1.0}
 FEED = dict(seq_len=32, global_batch_size=16, num_streams=4, unit_rows=5, chunk_rows=3,
             num_epochs=1, seed=11)
-
-
-def drain(feed: HostFeed, max_steps: int = 1000) -> list[dict[str, np.ndarray]]:
-    """Every batch of ``feed`` as numpy (on a helper thread, so a hang fails the test)."""
-    out: queue.Queue = queue.Queue()
-
-    def consume():
-        try:
-            batches = []
-            for batch in feed:
-                batches.append({k: np.asarray(v) for k, v in batch.items()})
-                if len(batches) >= max_steps:
-                    break
-            out.put(batches)
-        except BaseException as e:  # noqa: BLE001 -- handed to the test thread
-            out.put(e)
-
-    threading.Thread(target=consume, daemon=True).start()
-    try:
-        got = out.get(timeout=DEADLINE_S)
-    except queue.Empty:
-        pytest.fail(f"the feed did not finish within {DEADLINE_S:.0f} s")
-    if isinstance(got, BaseException):
-        raise got
-    return got
 
 
 def rows_of_stream(batches, config, s: int) -> np.ndarray:
