@@ -123,6 +123,15 @@ class WorkerPool:
             for s in self._stream_ids:
                 self._fill(s, depth)
 
+    def reopen(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+        """Drops every request in flight and opens the streams again at ``states``, on the
+        workers already running (``reset_after_epoch`` restarts a pass this way)."""
+        for q in self._queues.values():
+            q.clear()
+        self._exhausted.clear()
+        self._failures.clear()
+        self.open(states)
+
     def _fill(self, s: int, depth: int | None = None) -> None:
         q = self._queues[s]
         while len(q) < (depth or self._depth) and s not in self._exhausted:

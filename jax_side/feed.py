@@ -402,7 +402,11 @@ class HostFeed:
             if self._thread.is_alive():
                 raise RuntimeError(f"reset_after_epoch: the producer thread did not stop within "
                                    f"get_timeout_s={self._timeout} s to restart the feed")
-        if self._source is not None:
+        self._cursors = {s: _Cursor() for s in self._rows.streams}
+        if self._source is not None and hasattr(self._source, "reopen"):
+            # Ray: the same workers start the pass again (no new actors per pass).
+            self._source.reopen({s: (None, 0) for s in self._rows.streams})
+        elif self._source is not None:
             self._keep_pool_stats()
             self._source.close()
             self._source = None
@@ -411,7 +415,6 @@ class HostFeed:
         self._queue = queue.Queue(maxsize=max(1, self._device_prefetch))
         self._done = self._pass_started = self._partial_seen = False
         self._end_step = None
-        self._cursors = {s: _Cursor() for s in self._rows.streams}
         self._step = self._claim = 0
         self._end = self._new_agreement()
         self._state = self._snapshot()

@@ -164,12 +164,17 @@ def test_drop_remainder_ends_before_the_first_partial_step(corpus, sharding, num
     assert not length.exact and "estimate" in length.basis
 
 
-def test_reset_after_epoch_gives_the_same_batches_on_every_pass(corpus, sharding):
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_reset_after_epoch_gives_the_same_batches_on_every_pass(request, corpus, sharding,
+                                                                  backend):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     directory, _ = corpus
     config = make_config([directory], num_epochs=1, reset_after_epoch=True, **FEED)
     assert "reset_after_epoch" not in config.output_fields()  # batches of a pass unchanged
-    with HostFeed(config, sharding=sharding, backend="local") as feed:
+    with HostFeed(config, sharding=sharding, backend=backend, workers=2) as feed:
         first = [step_digest(b) for b in drain(feed)]
+        pool = feed._source
         assert feed.get_state()["step"] == len(first)
         second = [step_digest(b) for b in drain(feed)]
         # A pass broken off mid-way restarts too.
@@ -177,6 +182,9 @@ def test_reset_after_epoch_gives_the_same_batches_on_every_pass(corpus, sharding
         third = [step_digest(b) for b in drain(feed)]
         assert feed.stats()["passes"] == 4
         assert feed.stats()["steps"] == 3 * len(first) + 2
+        if backend == "ray":
+            assert feed._source is pool, "a new pass should reuse the running workers"
+            assert pool.restarts == 0
     assert first == second == third and len(first) > 2
     # Without it, the ended feed stays ended.
     with HostFeed(config.replace(reset_after_epoch=False), sharding=sharding,
