@@ -180,23 +180,32 @@ class MixedStream:
         """The next row of component i (``[6, L]``), or None when it has ended."""
         c = self._components[i]
         saved = self._state.components[i]
+        if self._settle(i):
+            return None
         if c.fields is None or saved["taken"] >= c.fields.shape[1]:
             if c.fields is not None:
-                if c.chunk_exhausted:
-                    c.exhausted = True
-                    return None
                 saved["state"], saved["taken"] = c.state_after, 0
             # After a restore, the chunk starts at ``base`` and its first ``taken`` rows were
             # used already.
             chunk = c.stream.produce(saved["taken"] + want + _READ_AHEAD_ROWS)
             c.fields, c.state_after, c.chunk_exhausted = (chunk.fields, chunk.state_after,
                                                           chunk.exhausted)
-            if saved["taken"] >= chunk.num_rows:
-                c.exhausted = True
+            if self._settle(i):
                 return None
         row = c.fields[:, saved["taken"]]
         saved["taken"] += 1
         return row
+
+    def _settle(self, i: int) -> bool:
+        """Whether component i has ended. Once its last chunk is used up, its saved state
+        becomes the final one, so its counters (documents, skips) are complete."""
+        c = self._components[i]
+        saved = self._state.components[i]
+        if (not c.exhausted and c.fields is not None and c.chunk_exhausted
+                and saved["taken"] >= c.fields.shape[1]):
+            saved["state"], saved["taken"] = c.state_after, 0
+            c.fields, c.exhausted = None, True
+        return c.exhausted
 
     def produce(self, n_rows: int) -> Chunk:
         """The next ``n_rows`` rows (fewer only when every component has ended)."""
@@ -222,18 +231,11 @@ class MixedStream:
             st.tokens[i] += tokens
             st.rows[i] += 1
             got += 1
-        if not st.exhausted and all(c.exhausted or self._ended(j)
-                                    for j, c in enumerate(self._components)):
+        ended = [self._settle(j) for j in range(len(self._components))]
+        if all(ended):
             st.exhausted = True
         st.rows_emitted += got
         return Chunk(self.stream_id, out[:, :got], self.get_state(), st.exhausted)
-
-    def _ended(self, i: int) -> bool:
-        """Component i has no row left beyond those taken (known without producing more)."""
-        c = self._components[i]
-        saved = self._state.components[i]
-        return (c.fields is not None and c.chunk_exhausted
-                and saved["taken"] >= c.fields.shape[1])
 
     def set_trace(self, trace) -> None:
         """See ``Stream.set_trace``; the trace names the component as ``source``."""

@@ -209,3 +209,59 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
         assert pool.restarts >= pool.max_failures
     finally:
         pool.close()
+
+
+def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cluster,
+                                                                          tmp_path):
+    """The same for a mixture: the traced document names its source, and the component skips
+    it; the mixed rows equal those of the corpus with that document nulled, and the final
+    state counts it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actors.pool import WorkerPool
+    from ingest import build_plan
+    from ingest.plan import deal_units
+    from ingest.stream import open_stream
+    from tests.helpers import make_texts
+
+    marker = "POISON-2c1e"
+    for name, null in (("poisoned", False), ("nulled", True)):
+        for src in ("a", "b"):
+            (tmp_path / name / src).mkdir(parents=True)
+            for i in range(2):
+                texts = make_texts(40, seed=ord(src) * 10 + i)
+                if src == "b" and i == 1:
+                    texts[5] = None if null else texts[5] + " " + marker
+                pq.write_table(pa.table({"text": pa.array(texts, pa.string())}),
+                               tmp_path / name / src / f"{i}.parquet", row_group_size=10)
+
+    def config(name):
+        return Config(sources=(SourceConfig(paths=(str(tmp_path / name / "a"),), weight=2.0),
+                               SourceConfig(paths=(str(tmp_path / name / "b"),))),
+                      seq_len=32, global_batch_size=4, num_streams=2, unit_rows=10,
+                      num_epochs=1, on_bad_document="skip", chunk_rows=3, prefetch=1)
+
+    cfg, ref_cfg = config("poisoned"), config("nulled")
+    plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)
+    for src in (0, 1):
+        deal = dict(num_streams=2, seed=cfg.seed, epoch=0, shuffle=True, source=src)
+        assert deal_units(plan, **deal) == deal_units(ref_plan, **deal), "precondition"
+    pool = WorkerPool(cfg, plan, [0, 1], num_workers=1, get_timeout_s=60)
+    crashed = 0
+    try:
+        pool.inject_poison(marker)
+        pool.open({0: (None, 0), 1: (None, 0)})
+        for s in (0, 1):
+            rows, last = [], None
+            while last is None or not last.exhausted:
+                last = pool.next_chunk(s)
+                rows.append(last.fields)
+            want = open_stream(ref_cfg, ref_plan, s).produce(100_000).fields
+            np.testing.assert_array_equal(np.concatenate(rows, axis=1), want,
+                                          err_msg=f"stream {s}")
+            crashed += sum(last.state_after["skipped"].get("worker_crash", {}).values())
+        assert pool.poisoned == 1
+    finally:
+        pool.close()
+    assert crashed == 1

@@ -155,3 +155,28 @@ def test_mixture_feed_on_ray_workers_matches_local_and_reports_proportions(ray_c
     lag = config.num_streams * config.chunk_rows * config.seq_len
     assert st["tokens"] - lag <= sum(st["tokens_by_source"]) <= st["tokens"]
     assert len(st["source_proportions"]) == 2 and abs(st["source_proportions"][0] - 0.75) < 0.05
+
+
+def test_finite_mixture_final_state_counts_every_document_and_skip(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from helpers import make_texts
+
+    paths = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        texts = make_texts(30, seed=ord(name))
+        texts[4] = None  # one bad document per source
+        pq.write_table(pa.table({"text": pa.array(texts, pa.string())}),
+                       tmp_path / name / "0.parquet", row_group_size=5)
+        paths.append(str(tmp_path / name))
+    config = _config(paths, (3.0, 1.0), num_epochs=1, on_bad_document="skip")
+    plan = build_plan(config)
+    documents = skipped = 0
+    for s in range(config.num_streams):
+        stream = open_stream(config, plan, s)
+        drain(stream, n_rows=3)
+        st = stream.get_state()
+        documents += st["documents"]
+        skipped += sum(n for per_file in st["skipped"].values() for n in per_file.values())
+    assert (documents, skipped) == (58, 2)
