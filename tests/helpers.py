@@ -11,6 +11,7 @@ import itertools
 import json
 import queue
 import random
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -278,3 +279,10 @@ def drain_feed(feed, max_steps: int = 1000, *, deadline_s: float = FEED_DEADLINE
     if isinstance(got, BaseException):
         raise got
     return got
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for coordinators and clusters the tests start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

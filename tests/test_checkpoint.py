@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import make_config, write_parquet_corpus
+from helpers import free_port, make_config, write_parquet_corpus
 
 from ingest import step_digest
 from jax_side import HostFeed, batch_sharding, checkpoint
@@ -405,12 +404,6 @@ def test_inconsistent_process_files_are_reported(concat_run, tmp_path, defect, m
         (feed_dir / "process_2-of-3.json").write_text(one.read_text())
     with pytest.raises(FeedCheckpointError, match=message):
         checkpoint.restore_feed(checkpoint.open_manager(directory), step)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.ray

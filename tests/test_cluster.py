@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,16 +26,10 @@ import yaml
 
 from ingest import BatchDigest, Config, ConfigError, SourceConfig
 from jax_side import HostFeed, batch_sharding
-from tests.helpers import write_parquet_corpus
+from tests.helpers import free_port, write_parquet_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-never-printed"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_launcher_config_validates_against_the_schema_shipped_in_ray():
@@ -78,7 +71,7 @@ def s3(tmp_path_factory):
     moto_server = pytest.importorskip("moto.server")
     import boto3
 
-    port = _free_port()
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {"AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": SECRET,
@@ -148,7 +141,7 @@ def test_ray_job_submit_runs_ingest_on_a_loopback_cluster(tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
                PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     env.pop("RAY_ADDRESS", None)
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     # A short temp dir: Ray's unix sockets live there, and pytest's paths exceed their limit.
     ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     head = subprocess.Popen(
@@ -156,10 +149,10 @@ def test_ray_job_submit_runs_ingest_on_a_loopback_cluster(tmp_path):
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
          "--include-dashboard=true", f"--temp-dir={ray_tmp}",
          # Free ports for the agents: the defaults (52365, ...) belong to the session cluster.
-         f"--dashboard-agent-listen-port={_free_port()}",
-         f"--dashboard-agent-grpc-port={_free_port()}",
-         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-         f"--ray-client-server-port={_free_port()}"],
+         f"--dashboard-agent-listen-port={free_port()}",
+         f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--ray-client-server-port={free_port()}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 90

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import WORDS, make_texts
+from helpers import WORDS, free_port, make_texts
 
 from ingest import step_digest
 from ingest.errors import ConfigError
@@ -415,14 +415,6 @@ def test_plan_is_deterministic_and_stable_on_ties():
 def one_process_digests(mesh: str) -> list[str]:
     return [step_digest(b) for b in gather(EvalFeed(mixed_requests(), CONFIG,
                                                     sharding=mesh_sharding(mesh)))]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

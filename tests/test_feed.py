@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import drain as drain_stream
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
@@ -123,17 +124,7 @@ def digest_of(batches: list[dict[str, np.ndarray]]) -> str:
 
 def stream_rows(config: Config, plan, stream_id: int) -> np.ndarray:
     """Every row of one stream run directly (``[6, n, seq_len]``), asking k rows at a time."""
-    s = Stream(config, plan, stream_id)
-    parts = []
-    for _ in range(100_000):
-        chunk = s.produce(config.rows_per_stream)
-        if chunk.num_rows:
-            parts.append(chunk.fields)
-        if chunk.exhausted or not chunk.num_rows:
-            break
-    else:
-        raise AssertionError(f"stream {stream_id} did not end")
-    return np.concatenate(parts, axis=1)
+    return drain_stream(Stream(config, plan, stream_id), n_rows=config.rows_per_stream)
 
 
 def all_zero_rows(batch: dict[str, np.ndarray]) -> np.ndarray:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import make_config, write_parquet_corpus
+from helpers import free_port, make_config, write_parquet_corpus
 
 from ingest import FIELDS, step_digest
 from jax_side import HostFeed, batch_sharding
@@ -82,14 +82,6 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_HOST}",
                 JAX_PLATFORMS="cpu",
                 PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_children(mode: str, spec: dict[str, Any], tmp_path: Path) -> list[subprocess.Popen]:
