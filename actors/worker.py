@@ -70,6 +70,13 @@ class StreamWorker:
         # Arrow's compute and decode pool defaults to one thread per core of the node; the
         # actor reserves one CPU, and other threads only contend with the other workers.
         pa.set_cpu_count(1)
+        # Arrow's default allocator (mimalloc) made reading a row group into the row-group
+        # cache about 2x slower here than jemalloc or malloc (0.44 s against 0.2 s over the
+        # demo corpus): fresh memory for every group the cache keeps.
+        try:
+            pa.set_memory_pool(pa.jemalloc_memory_pool())
+        except NotImplementedError:  # a pyarrow built without jemalloc
+            pa.set_memory_pool(pa.system_memory_pool())
         self._config = config
         self._plan = plan
         self._name = name

@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from ingest.demo import _cache_root, demo_config
+from ingest.cache import cache_root
+from ingest.demo import demo_config
 
 MAX_DOC_BYTES = 200
 TEXT_BYTES = 12 * 2**20  # about 3.6 M GPT-2 tokens: a few seconds of one core's tokenizer
@@ -55,7 +56,7 @@ def _tiny_documents(texts: list[str]) -> list[str]:
 
 def write_tiny_corpus(root: str | None = None) -> str:
     """Writes (once) the tiny-document shards and their config; returns the config's path."""
-    out = os.path.join(root or _cache_root(), "tiny-docs-v1")
+    out = os.path.join(root or cache_root(), "tiny-docs-v1")
     config_path = os.path.join(out, "tiny.yaml")
     if os.path.exists(config_path):
         return config_path

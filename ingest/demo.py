@@ -1,7 +1,8 @@
 """The built-in demo corpus: the Python standard library's own source, as Parquet shards.
 
 Real text that needs no download (FACTS.md). Written once into a cache folder and reused; the
-folder name carries a hash of the file list, so a different Python gets its own copy.
+folder name carries a hash of the Python install (stdlib path and version), so a
+different Python gets its own copy.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import sys
 import sysconfig
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ingest.cache import cache_root
 from ingest.config import Config, SourceConfig
 
 __all__ = ["demo_config", "write_demo_corpus"]
@@ -22,22 +25,17 @@ NUM_SHARDS = 8
 ROW_GROUP_SIZE = 8
 
 
-def _cache_root() -> str:
-    base = os.environ.get("INGEST_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ingest")
-    return base
-
-
 def write_demo_corpus(root: str | None = None) -> str:
     """Writes (once) the stdlib's ``.py`` files as Parquet shards; returns their folder."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
-    files = [f for f in files if "site-packages" not in f]
-    key = hashlib.sha256("\n".join(os.path.relpath(f, stdlib) for f in files).encode())
-    out = os.path.join(root or _cache_root(), f"demo-stdlib-{key.hexdigest()[:10]}")
+    # Keyed by the Python install, not by listing its 1,800 files (0.35 s on every run).
+    key = hashlib.sha256(f"{stdlib}\n{sys.version}".encode())
+    out = os.path.join(root or cache_root(), f"demo-stdlib-{key.hexdigest()[:10]}")
     done = os.path.join(out, "_SUCCESS")
     if os.path.exists(done):
         return out
+    files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
+    files = [f for f in files if "site-packages" not in f]
     os.makedirs(out, exist_ok=True)
     texts, names = [], []
     for f in files:

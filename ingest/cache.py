@@ -1,0 +1,62 @@
+"""This machine's cache folder for derived files: the demo corpus, parsed tokenizer vocabularies.
+
+Everything here can be rebuilt from its inputs; a cache that cannot be read or written is
+skipped, never an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["cache_root", "cached_by_files"]
+
+log = logging.getLogger("ingest.cache")
+
+
+def cache_root() -> str:
+    """``$INGEST_CACHE_DIR``, else ``$XDG_CACHE_HOME/ingest``, else ``~/.cache/ingest``."""
+    return os.environ.get("INGEST_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ingest")
+
+
+def cached_by_files(kind: str, files: list[str], build: Callable[[], Any]) -> Any:
+    """``build()``, pickled under the cache folder and reused while ``files`` keep their
+    paths, sizes and modification times.
+
+    For values that take long to derive from small files (GPT-2's BPE ranks: 0.26 s to parse
+    per process, 0.01 s to unpickle), read once by every worker process of every run.
+    """
+    try:
+        stats = [(os.path.abspath(f), st.st_size, st.st_mtime_ns)
+                 for f, st in ((f, os.stat(f)) for f in files)]
+    except OSError:
+        return build()
+    key = hashlib.sha256(repr((kind, stats)).encode()).hexdigest()[:16]
+    path = os.path.join(cache_root(), kind, f"{key}.pkl")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 -- a damaged cache file is rebuilt
+        log.warning("ignoring the unreadable cache file %s (%s: %s)", path, type(e).__name__, e)
+    value = build()
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)  # atomic: concurrent workers never read a partial file
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return value

@@ -1,0 +1,58 @@
+"""The cache of derived files: reused while its inputs are unchanged, rebuilt otherwise."""
+
+import os
+
+from ingest import cache
+from ingest.tokenize import load_tokenizer
+
+
+def test_a_cached_value_is_reused_until_its_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "vocab.txt"
+    src.write_text("a b c")
+    builds = []
+
+    def build():
+        builds.append(1)
+        return src.read_text().split()
+
+    assert cache.cached_by_files("words", [str(src)], build) == ["a", "b", "c"]
+    assert cache.cached_by_files("words", [str(src)], build) == ["a", "b", "c"]
+    assert len(builds) == 1
+    src.write_text("a b c d")
+    os.utime(src, ns=(1, 1))  # a new mtime even on coarse clocks
+    assert cache.cached_by_files("words", [str(src)], build) == ["a", "b", "c", "d"]
+    assert len(builds) == 2
+
+
+def test_a_damaged_cache_file_is_rebuilt_and_an_unwritable_cache_is_skipped(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "vocab.txt"
+    src.write_text("x")
+    cache.cached_by_files("words", [str(src)], lambda: 1)
+    (written,) = (tmp_path / "cache" / "words").iterdir()
+    written.write_bytes(b"not a pickle")
+    assert cache.cached_by_files("words", [str(src)], lambda: 2) == 2
+    assert cache.cached_by_files("words", [str(src)], lambda: 3) == 2  # rewritten
+
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(blocker))
+    assert cache.cached_by_files("words", [str(src)], lambda: 4) == 4
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_gpt2_from_cached_ranks_encodes_like_a_fresh_parse(tmp_path, monkeypatch):
+    text = "def f(x):\n    return x ** 2  # caf\u00e9 <|endoftext|>"
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    load_tokenizer.cache_clear()
+    try:
+        fresh = load_tokenizer("gpt2").encode_batch([text])[0]
+        assert list((tmp_path / "cache" / "gpt2-ranks").iterdir())
+        load_tokenizer.cache_clear()
+        cached = load_tokenizer("gpt2").encode_batch([text])[0]
+    finally:
+        load_tokenizer.cache_clear()
+    assert fresh.tolist() == cached.tolist()
+    assert 50256 not in cached.tolist()  # the literal special token is ordinary text
