@@ -1,7 +1,15 @@
 """jax_side: the host feed: owned streams, global-array formation, prefetch, checkpoints."""
 
-from jax_side.eval_feed import EvalFeed
-from jax_side.feed import HostFeed, LocalSource
-from jax_side.sharding import HostRows, batch_sharding, host_rows
+import importlib
 
 __all__ = ["EvalFeed", "HostFeed", "HostRows", "LocalSource", "batch_sharding", "host_rows"]
+
+_WHERE = {"EvalFeed": "eval_feed", "HostFeed": "feed", "LocalSource": "feed",
+          "HostRows": "sharding", "batch_sharding": "sharding", "host_rows": "sharding"}
+
+
+def __getattr__(name: str):
+    # Imported on first use, so that ``ingest run`` can start Ray before JAX is imported.
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"jax_side.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'jax_side' has no attribute {name!r}")

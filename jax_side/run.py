@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,6 @@ from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
-from jax_side.multihost import PeerError
 
 __all__ = ["main", "run_command", "start_ray"]
 
@@ -60,6 +61,63 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     # was imported (see prepare_environment).
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
              logging_level=logging.WARNING, configure_logging=True)
+
+
+class _RayStarter:
+    """Starts (or connects to) Ray on a background thread.
+
+    A local cluster takes 3-5 s to start on 2 CPUs, about a third of it with a CPU idle: the
+    driver meanwhile imports JAX, loads the tokenizer and plans the units (about 1.5 s).
+    """
+
+    def __init__(self, address: str | None):
+        self._error: BaseException | None = None
+        self._up = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address,), name="ray.init",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, address: str | None) -> None:
+        # ray.init warns that it cannot set its SIGTERM handler off the main thread;
+        # wait() sets the same handler there.
+        logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
+        # Starting the cluster forks (and execs at once) Ray's daemons while JAX's threads run:
+        # JAX's fork warning does not apply.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                                category=RuntimeWarning)
+        import ray
+
+        starts_cluster = not ray.is_initialized() and not (
+            address or os.environ.get("RAY_ADDRESS"))
+        try:
+            start_ray(address)
+        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
+            self._error = e
+            return
+        finally:
+            self._up.set()
+        if starts_cluster:
+            # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG, Ray's
+            # fate sharing): this thread stays until the process exits.
+            threading.Event().wait()
+
+    def join(self) -> None:
+        self._up.wait()
+
+    def wait(self) -> None:
+        """Returns once Ray is up; raises what ray.init raised."""
+        self._up.wait()
+        if self._error is not None:
+            raise self._error
+        if threading.current_thread() is threading.main_thread():
+            # What ray.init does on the main thread: SIGTERM exits through atexit, so that
+            # ray.shutdown stops the local cluster.
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+
+class _NotMainThreadWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _summary_lines(s: dict[str, Any]) -> list[str]:
@@ -132,42 +190,51 @@ class _WorkerKiller:
 
 def run_command(args) -> int:
     t_start = _process_start_time()
-    import jax
+    import jax  # before Ray starts: importing it beside ray.init slowed both (GIL and CPUs)
 
-    from jax_side import multihost
-    from jax_side.feed import HostFeed
-    from jax_side.sharding import batch_sharding
+    ray_started = _RayStarter(args.address) if args.backend == "ray" else None
+    try:
 
-    # Before anything touches a JAX device, so that the device list is the global one.
-    multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
-    lead = jax.process_index() == 0
+        from jax_side import multihost
+        from jax_side.feed import HostFeed
+        from jax_side.sharding import batch_sharding
 
-    overrides = {"workers": args.workers}
-    cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
-    if args.backend == "ray":
-        start_ray(args.address)
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("data",))
-    if cfg.global_batch_size % len(devices):
-        print(f"ingest: error: global_batch_size={cfg.global_batch_size} is not divisible by the "
-              f"{len(devices)} devices; change global_batch_size", file=sys.stderr)
-        return 2
-    sharding = batch_sharding(mesh, "data")
-    feed = HostFeed(cfg, sharding=sharding, backend=args.backend)
-    manager = None
-    if args.checkpoint_dir:
-        from jax_side import checkpoint
+        # Before anything touches a JAX device, so that the device list is the global one.
+        multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
+        lead = jax.process_index() == 0
 
-        manager = checkpoint.open_manager(args.checkpoint_dir)
-        if args.resume:
-            restored = checkpoint.restore_latest_feed(manager)
-            if restored is not None:
-                feed.set_state(restored)
-                print(f"ingest: resumed at step {restored['step']} from {args.checkpoint_dir}",
-                      file=sys.stderr)
-            else:
-                print(f"ingest: no checkpoint in {args.checkpoint_dir}; starting fresh",
-                      file=sys.stderr)
+        overrides = {"workers": args.workers}
+        cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
+        devices = jax.devices()
+        mesh = jax.make_mesh((len(devices),), ("data",))
+        if cfg.global_batch_size % len(devices):
+            print(f"ingest: error: global_batch_size={cfg.global_batch_size} is not divisible "
+                  f"by the {len(devices)} devices; change global_batch_size", file=sys.stderr)
+            if ray_started is not None:
+                ray_started.join()
+            return 2
+        sharding = batch_sharding(mesh, "data")
+        feed = HostFeed(cfg, sharding=sharding, backend=args.backend)
+        manager = None
+        if args.checkpoint_dir:
+            from jax_side import checkpoint
+
+            manager = checkpoint.open_manager(args.checkpoint_dir)
+            if args.resume:
+                restored = checkpoint.restore_latest_feed(manager)
+                if restored is not None:
+                    feed.set_state(restored)
+                    print(f"ingest: resumed at step {restored['step']} from "
+                          f"{args.checkpoint_dir}", file=sys.stderr)
+                else:
+                    print(f"ingest: no checkpoint in {args.checkpoint_dir}; starting fresh",
+                          file=sys.stderr)
+    except BaseException:
+        if ray_started is not None:
+            ray_started.join()  # never exit with ray.init half done
+        raise
+    if ray_started is not None:
+        ray_started.wait()
     start_step = feed.get_state()["step"]
     digest = BatchDigest() if args.digest else None
     digest_log = (open(args.digest_log, "a", encoding="utf-8") if args.digest_log and lead
@@ -264,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``ingest`` console script."""
     args = parse_args(argv)
     prepare_environment(args)
+    from jax_side.multihost import PeerError  # noqa: PLC0415
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:
