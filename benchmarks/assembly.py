@@ -7,8 +7,8 @@ are produced first (by our streams, in this process; not timed), then replayed i
                  local batch, count tokens, snapshot the state, and form the six global arrays
                  (one batched jax.device_put in a single process, else six
                  jax.make_array_from_process_local_data calls)
-    row_copy     only the row copies into a fresh local batch
-    make_array   only the six make_array_from_process_local_data calls on a ready batch
+    row_copy     only the row copies into a fresh local batch (64-byte aligned, as HostFeed's)
+    make_array   only forming the six global arrays from a ready batch, as HostFeed does
     np_copy      np.copy of one contiguous array of the same bytes: the floor
 
 Every figure is the median over the steps, with ``jax.block_until_ready`` on the arrays, on a
@@ -60,7 +60,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from ingest.plan import build_plan
     from ingest.shift import FIELDS
     from ingest.stream import Stream
-    from jax_side.feed import HostFeed
+    from jax_side.feed import HostFeed, _aligned_empty
     from jax_side.sharding import batch_sharding, host_rows
 
     cfg = Config.from_dict(spec.config)
@@ -103,7 +103,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     pos = {s: (0, 0) for s in rows.streams}  # (chunk index, rows taken)
     for _ in range(steps):
         t0 = time.perf_counter()
-        local = np.zeros(local_shape, dtype=np.int32)
+        local = _aligned_empty(local_shape)
         for j, s in enumerate(rows.streams):
             ci, taken = pos[s]
             filled = 0
@@ -117,8 +117,12 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
                     ci, taken = ci + 1, 0
             pos[s] = (ci, taken)
         t1 = time.perf_counter()
-        arrays = [jax.make_array_from_process_local_data(sharding, local[i], shape)
-                  for i in range(len(FIELDS))]
+        if jax.process_count() == 1:
+            arrays = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)},
+                                    sharding)
+        else:
+            arrays = [jax.make_array_from_process_local_data(sharding, local[i], shape)
+                      for i in range(len(FIELDS))]
         jax.block_until_ready(arrays)
         t2 = time.perf_counter()
         flat = np.copy(local)
