@@ -213,6 +213,32 @@ def test_batches_have_six_int32_fields_with_requested_sharding(sharding_1d, refe
                 assert arr.sharding == sharding_1d, name
 
 
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_delivered_batches_keep_their_values_while_the_feed_goes_on(devices, config, plan,
+                                                                   reference, n_devices):
+    # On one CPU device the arrays share the feed's host buffer (no copy): the feed must never
+    # write a buffer again once its batch is delivered.
+    sharding = batch_sharding(jax.make_mesh((n_devices,), ("data",),
+                                            devices=jax.devices()[:n_devices]), "data")
+    held, copies = [], []
+
+    def consume():
+        for batch in feed:
+            held.append(batch)
+            copies.append({name: np.array(a, copy=True) for name, a in batch.items()})
+
+    with HostFeed(config, sharding=sharding, backend="local", plan=plan) as feed:
+        worker = threading.Thread(target=consume, daemon=True)
+        worker.start()
+        worker.join(timeout=DEADLINE_S)
+        assert not worker.is_alive(), f"the feed did not finish within {DEADLINE_S} s"
+    assert len(held) == len(reference["batches"]) >= 5
+    for got, at_delivery in zip(held, copies, strict=True):
+        for name in FIELDS:
+            np.testing.assert_array_equal(np.asarray(got[name]), at_delivery[name],
+                                          err_msg=name)
+
+
 @pytest.mark.multidevice
 @pytest.mark.parametrize("spec", [
     PartitionSpec("data"),                      # rows over data, replicated over model
