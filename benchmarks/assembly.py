@@ -10,6 +10,9 @@ are produced first (by our streams, in this process; not timed), then replayed i
     row_copy     only the row copies into a fresh local batch (64-byte aligned, as HostFeed's)
     make_array   only forming the six global arrays from a ready batch, as HostFeed does
     np_copy      np.copy of one contiguous array of the same bytes: the floor
+    sweep        the same steps on synthetic chunks for larger batches (up to 512 x 4096,
+                 48 MiB): the cost of forming six device arrays is mostly fixed per batch, so
+                 the ratio to np.copy falls as batches grow
 
 Every figure is the median over the steps, with ``jax.block_until_ready`` on the arrays, on a
 mesh of the local devices as ``ingest run`` builds it.
@@ -141,11 +144,62 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     return out
 
 
+# Batch shapes (global_batch_size, seq_len) of the size sweep: the demo's, then larger
+# batches, where the fixed cost of forming six device arrays matters less.
+SWEEP = ((32, 1024), (128, 2048), (256, 4096), (512, 4096))
+SWEEP_STREAMS = 16
+SWEEP_CHUNK_ROWS = 128
+
+
+def measure_sweep(steps: int) -> list[dict[str, Any]]:
+    """HostFeed's assembly steps (per-stream row copies into an aligned batch, then one
+    batched device_put) on synthetic chunks, against np.copy of the same bytes, per shape."""
+    import jax
+
+    from ingest.shift import FIELDS
+    from jax_side.feed import _aligned_empty
+    from jax_side.sharding import batch_sharding
+
+    mesh = jax.make_mesh((jax.local_device_count(),), ("data",))
+    sharding = batch_sharding(mesh, "data")
+    rng = np.random.default_rng(0)
+    out = []
+    for batch, seq_len in SWEEP:
+        k = batch // SWEEP_STREAMS
+        chunks = [rng.integers(0, 50_000, (len(FIELDS), SWEEP_CHUNK_ROWS, seq_len),
+                               dtype=np.int32) for _ in range(SWEEP_STREAMS)]
+        shape = (len(FIELDS), batch, seq_len)
+        asm_t, copy_t = [], []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            local = _aligned_empty(shape)
+            r0 = (step * k) % (SWEEP_CHUNK_ROWS - k + 1)
+            for j, c in enumerate(chunks):
+                local[:, j * k:(j + 1) * k] = c[:, r0:r0 + k]
+            arrays = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)},
+                                    sharding)
+            jax.block_until_ready(arrays)
+            t1 = time.perf_counter()
+            flat = np.copy(local)
+            t2 = time.perf_counter()
+            del flat, arrays
+            asm_t.append(t1 - t0)
+            copy_t.append(t2 - t1)
+        a, c = _median_us(asm_t), _median_us(copy_t)
+        out.append({"global_batch_size": batch, "seq_len": seq_len,
+                    "batch_bytes": int(np.prod(shape)) * 4, "assembly_us": a,
+                    "np_copy_us": c, "assembly_over_np_copy": a / c})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.assembly", description=__doc__)
     p.add_argument("--spec", required=True, help="the BenchSpec JSON written by ingest bench")
     args = p.parse_args(argv)
-    print(json.dumps(measure_assembly(BenchSpec.load(args.spec))))
+    spec = BenchSpec.load(args.spec)
+    out = measure_assembly(spec)
+    out["sweep"] = measure_sweep(QUICK_STEPS if spec.quick else FULL_STEPS // 2)
+    print(json.dumps(out))
     return 0
 
 

@@ -380,8 +380,12 @@ def format_table(r: dict[str, Any]) -> str:
             f"host assembly of one batch ({a['batch_bytes'] / 2**20:.2f} MiB, {a['devices']} "
             f"device(s)): {a['assembly_us'] / 1e3:.3f} ms = {a['assembly_over_np_copy']:.0f} x "
             f"np.copy ({a['np_copy_us'] / 1e3:.3f} ms); row copies {a['row_copy_us'] / 1e3:.3f} "
-            f"ms, 6 x make_array {a['make_array_us'] / 1e3:.3f} ms"
+            f"ms, 6 device arrays {a['make_array_us'] / 1e3:.3f} ms"
             + (f"; {100 * frac_batch:.1f}% of our time per batch" if frac_batch else ""))
+        if a.get("sweep"):
+            lines.append("  larger batches (synthetic chunks): " + ", ".join(
+                f"{x['global_batch_size']}x{x['seq_len']} {x['assembly_over_np_copy']:.1f} x"
+                for x in a["sweep"]) + " np.copy")
     st = r["training_step"]
     if "error" in st:
         lines.append(f"training step: error: {st['error'][:160]}")
