@@ -67,7 +67,7 @@ class _RayStarter:
     """Starts (or connects to) Ray on a background thread.
 
     A local cluster takes 3-5 s to start on 2 CPUs, about a third of it with a CPU idle: the
-    driver meanwhile imports JAX, loads the tokenizer and plans the units (about 1.5 s).
+    driver meanwhile reads the config, loads the tokenizer and plans the units.
     """
 
     def __init__(self, address: str | None):
@@ -102,6 +102,7 @@ class _RayStarter:
             threading.Event().wait()
 
     def join(self) -> None:
+        """Returns once ray.init has returned or raised (for error paths: raises nothing)."""
         self._up.wait()
 
     def wait(self) -> None:
@@ -194,7 +195,6 @@ def run_command(args) -> int:
 
     ray_started = _RayStarter(args.address) if args.backend == "ray" else None
     try:
-
         from jax_side import multihost
         from jax_side.feed import HostFeed
         from jax_side.sharding import batch_sharding
