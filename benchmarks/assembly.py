@@ -63,7 +63,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from ingest.plan import build_plan
     from ingest.shift import FIELDS
     from ingest.stream import Stream
-    from jax_side.feed import HostFeed, _aligned_empty
+    from jax_side.feed import HostFeed, _aligned_empty, global_arrays
     from jax_side.sharding import batch_sharding, host_rows
 
     cfg = Config.from_dict(spec.config)
@@ -80,7 +80,6 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
         if sum(c.num_rows for c in chunks[s]) < steps * k:
             raise ValueError(f"stream {s} has fewer than {steps * k} rows; the corpus is too small "
                              f"for {steps} assembly steps: use a larger corpus or fewer streams")
-    shape = (cfg.global_batch_size, cfg.seq_len)
     local_shape = (len(FIELDS), rows.stop - rows.start, cfg.seq_len)
     batch_bytes = int(np.prod(local_shape)) * 4
 
@@ -120,12 +119,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
                     ci, taken = ci + 1, 0
             pos[s] = (ci, taken)
         t1 = time.perf_counter()
-        if jax.process_count() == 1:
-            arrays = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)},
-                                    sharding)
-        else:
-            arrays = [jax.make_array_from_process_local_data(sharding, local[i], shape)
-                      for i in range(len(FIELDS))]
+        arrays = global_arrays(local, sharding, cfg.global_batch_size)
         jax.block_until_ready(arrays)
         t2 = time.perf_counter()
         flat = np.copy(local)
@@ -157,7 +151,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     import jax
 
     from ingest.shift import FIELDS
-    from jax_side.feed import _aligned_empty
+    from jax_side.feed import _aligned_empty, global_arrays
     from jax_side.sharding import batch_sharding
 
     mesh = jax.make_mesh((jax.local_device_count(),), ("data",))
@@ -176,8 +170,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
             r0 = (step * k) % (SWEEP_CHUNK_ROWS - k + 1)
             for j, c in enumerate(chunks):
                 local[:, j * k:(j + 1) * k] = c[:, r0:r0 + k]
-            arrays = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)},
-                                    sharding)
+            arrays = global_arrays(local, sharding, batch)
             jax.block_until_ready(arrays)
             t1 = time.perf_counter()
             flat = np.copy(local)

@@ -64,6 +64,19 @@ def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
     return raw[start:start + nbytes].view(np.int32).reshape(shape)
 
 
+def global_arrays(local: np.ndarray, sharding: NamedSharding,
+                  global_batch_size: int) -> dict[str, jax.Array]:
+    """The six global ``[global_batch_size, seq_len]`` arrays from this process's rows
+    (``local``: ``[6, rows, seq_len]``, from ``_aligned_empty``)."""
+    if jax.process_count() == 1:
+        # One process holds the whole batch: one batched transfer of the six fields costs
+        # 0.16 ms against 0.29 ms for six make_array calls (1 device; 0.29 vs 0.39 on 8).
+        return jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
+    shape = (global_batch_size, local.shape[2])
+    return {name: jax.make_array_from_process_local_data(sharding, local[i], shape)
+            for i, name in enumerate(FIELDS)}
+
+
 @dataclasses.dataclass(frozen=True)
 class IteratorLength:
     """How many global steps the feed delivers, counted from step 0 (resumed steps included;
@@ -210,7 +223,6 @@ class HostFeed:
         # have a row here (with drop_remainder: known to be full), written by the producer,
         # read by the consumer.
         self._multihost = jax.process_count() > 1 and config.num_epochs is not None
-        self._single_process = jax.process_count() == 1
         self._end = self._new_agreement()
         self._claim = 0
         self._partial_seen = False
@@ -352,16 +364,7 @@ class HostFeed:
                 self._claim = self._step + self._steps_in_hand()
         seg = local[FIELDS.index("inputs_segmentation")]
         tokens = int(np.count_nonzero(seg))
-        shape = (size, cfg.seq_len)
-        if self._single_process:
-            # One process holds the whole batch: one batched transfer of the six fields costs
-            # 0.16 ms against 0.29 ms for six make_array calls (1 device; 0.29 vs 0.39 on 8).
-            arrays = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)},
-                                    self.sharding)
-        else:
-            arrays = {name: jax.make_array_from_process_local_data(self.sharding, local[i],
-                                                                   shape)
-                      for i, name in enumerate(FIELDS)}
+        arrays = global_arrays(local, self.sharding, size)
         return _Step(arrays, self._snapshot(), tokens, local.shape[1], padding_rows,
                      seg.size - tokens)
 
