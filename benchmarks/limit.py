@@ -158,7 +158,7 @@ _PROFILE_PARTS = (
     ("tokenize", "ingest/tokenize.py", "encode_batch"),
     ("parquet_read", "ingest/sources.py", "read_texts"),
     ("utf8_decode", "ingest/sources.py", "decode_texts"),
-    ("pack", "ingest/pack.py", "concat_rows"),
+    ("pack_shift", "ingest/shift.py", "concat_fields"),
     ("pack", "ingest/pack.py", "assign_bins"),
     ("pack", "ingest/pack.py", "fill_bins"),
     ("shift", "ingest/shift.py", "shift_rows"),

@@ -37,7 +37,7 @@ PARTS = {
     "parquet_read": "read_texts",
     "utf8_decode": "decode_texts",
     "shift": "shift_rows",
-    "pack": "concat_rows",
+    "pack_shift": "concat_fields",
     "state": "Stream.get_state",
 }
 

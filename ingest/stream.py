@@ -24,9 +24,9 @@ import pyarrow.compute as pc
 
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
-from ingest.pack import assign_bins, concat_rows, fill_bins
+from ingest.pack import assign_bins, fill_bins
 from ingest.plan import UnitPlan, deal_units, philox
-from ingest.shift import shift_rows
+from ingest.shift import FIELDS, concat_fields, shift_rows
 from ingest.sources import BAD_REASONS, decode_texts, numpy_view, read_texts
 from ingest.tokenize import Tokenizer, load_tokenizer
 
@@ -417,11 +417,14 @@ class Stream:
         """
         if n_rows <= 0:
             raise ValueError(f"n_rows={n_rows} must be positive")
+        c = self.config
         try:
-            if self.config.packing == "concat":
-                tokens, starts, valid = self._produce_concat(n_rows)
+            if c.packing == "concat":
+                fields = self._produce_concat(n_rows)
             else:
-                tokens, starts, valid = self._produce_bins(n_rows)
+                fields = shift_rows(*self._produce_bins(n_rows), shift=c.shift,
+                                    predict_across_documents=c.predict_across_documents,
+                                    eos_id=self.tokenizer.eos_id)
         except (BadInputError, StreamError):
             raise
         except Exception as e:
@@ -429,11 +432,7 @@ class Stream:
             raise StreamError(
                 f"stream {self.stream_id} failed at epoch {s.epoch}, unit {s.unit}, document "
                 f"{s.doc}: {type(e).__name__}: {e}", stream_id=self.stream_id) from e
-        self._state.rows_emitted += len(tokens)
-        c = self.config
-        fields = shift_rows(tokens, starts, valid, shift=c.shift,
-                            predict_across_documents=c.predict_across_documents,
-                            eos_id=self.tokenizer.eos_id)
+        self._state.rows_emitted += fields.shape[1]
         return Chunk(self.stream_id, fields, self.get_state(), self._state.exhausted)
 
     def _width(self) -> int:
@@ -443,12 +442,16 @@ class Stream:
         w = self._width()
         return np.zeros((0, w), np.int32), np.zeros((0, w), bool), np.zeros((0, w), bool)
 
-    def _produce_concat(self, n_rows: int):
-        L = self.config.seq_len
+    def _no_fields(self) -> np.ndarray:
+        return np.zeros((len(FIELDS), 0, self.config.seq_len), np.int32)
+
+    def _produce_concat(self, n_rows: int) -> np.ndarray:
+        c = self.config
+        L = c.seq_len
         width = self._width()
         head = self._head_unit()
         if head is None:
-            return self._empty()
+            return self._no_fields()
         need = (n_rows - 1) * L + width
         at = self._head_token()
         parts_t, parts_s = [head.tokens[at:]], [head.starts[at:]]
@@ -467,8 +470,10 @@ class Stream:
         rows = min(n_rows, -(-have // L)) if have < need else n_rows
         if rows == 0:
             self._advance(len(self._loaded), None)
-            return self._empty()
-        tokens, starts, valid = concat_rows(flat_t, flat_s, rows, L, width)
+            return self._no_fields()
+        fields = concat_fields(flat_t, flat_s, rows, L, shift=c.shift,
+                               predict_across_documents=c.predict_across_documents,
+                               eos_id=self.tokenizer.eos_id)
         # Move the head to token rows*L past it; rows only run short when the data ended.
         target = at + rows * L
         k = 0
@@ -479,7 +484,7 @@ class Stream:
             self._advance(len(self._loaded), None)
         else:
             self._advance(k, target)
-        return tokens, starts, valid
+        return fields
 
     def _pieces(self, u: _UnitTokens, rel_doc: int, offset: int) -> tuple[list[np.ndarray],
                                                                           list[tuple]]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.shift import FIELDS, shift_rows
+from ingest.shift import FIELDS, concat_fields, shift_rows
 
 EOS = 999
 PROPERTY = settings(max_examples=50, deadline=None)
@@ -78,9 +78,13 @@ def test_concat_rows_keep_every_token_once_with_correct_fields(docs, seq_len, ex
     tokens_before, starts_before = tokens.copy(), starts.copy()
     n_rows = -(-len(tokens) // seq_len) + extra_rows
     width = seq_len + 1 if shift == "left" else seq_len
+    fields = concat_fields(tokens, starts, n_rows, seq_len, shift=shift,
+                           predict_across_documents=across, eos_id=EOS)
+    # The fused pass the stream runs is the composition of the two readable steps.
     tok, st_, valid = concat_rows(tokens, starts, n_rows, seq_len, width)
-    fields = shift_rows(tok, st_, valid, shift=shift, predict_across_documents=across,
-                        eos_id=EOS)
+    np.testing.assert_array_equal(
+        fields, shift_rows(tok, st_, valid, shift=shift, predict_across_documents=across,
+                           eos_id=EOS))
     np.testing.assert_array_equal(tokens, tokens_before)  # inputs are not mutated
     np.testing.assert_array_equal(starts, starts_before)
 
@@ -120,6 +124,23 @@ def test_concat_rows_keep_every_token_once_with_correct_fields(docs, seq_len, ex
         np.testing.assert_array_equal(inputs[:, 1:][both], targets[:, :-1][both])
         np.testing.assert_array_equal(tseg, seg)
         assert not inputs[~is_token].any() and not targets[~is_token].any()
+
+
+@PROPERTY
+@given(docs=documents, seq_len=st.integers(1, 12), n_rows=st.integers(1, 4),
+       shift=st.sampled_from(["left", "right"]), across=st.booleans())
+def test_concat_fields_takes_the_rows_it_is_asked_for_from_a_longer_sequence(docs, seq_len,
+                                                                            n_rows, shift,
+                                                                            across):
+    """A stream passes all the tokens it has loaded: the rows take their prefix (and a left
+    shift one token more, for the last target); the rest waits for the next chunk."""
+    tokens, starts = flatten(docs)
+    width = seq_len + 1 if shift == "left" else seq_len
+    got = concat_fields(tokens, starts, n_rows, seq_len, shift=shift,
+                        predict_across_documents=across, eos_id=EOS)
+    tok, st_, valid = concat_rows(tokens, starts, n_rows, seq_len, width)
+    np.testing.assert_array_equal(got, shift_rows(tok, st_, valid, shift=shift,
+                                                  predict_across_documents=across, eos_id=EOS))
 
 
 @PROPERTY
