@@ -472,3 +472,38 @@ def test_bad_document_error_row_is_the_row_within_the_file(tmp_path, sharding_1d
     assert str(path) in str(info.value)
     assert info.value.row == 25, (info.value.row, str(info.value))
     assert re.search(r"\brow 25\b", str(info.value)), str(info.value)
+
+
+def test_handoff_holds_at_most_its_size_keeps_order_and_stops():
+    """The buffer between HostFeed's assembly thread and the consumer."""
+    from jax_side.feed import _Handoff
+
+    h, stop = _Handoff(2), threading.Event()
+    put: list[int] = []
+
+    def producer():
+        for i in range(40):
+            if not h.put(i, stop):
+                return
+            put.append(i)
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(put) < 2:
+        assert time.monotonic() < deadline, "the producer never filled the buffer"
+        time.sleep(0.005)
+    time.sleep(0.05)  # room for a wrong producer to run ahead; a right one stays blocked
+    assert len(put) == 2
+    assert [h.get(timeout_s=10) for _ in range(40)] == list(range(40))
+    t.join(timeout=10)
+    with pytest.raises(queue.Empty):
+        h.get(timeout_s=0.01)
+    # A producer blocked on a full buffer gives up once stopped.
+    for i in range(2):
+        assert h.put(i, stop)
+    t = threading.Thread(target=lambda: put.append(h.put(99, stop)), daemon=True)
+    t.start()
+    stop.set()
+    t.join(timeout=10)
+    assert put[-1] is False and [h.get(timeout_s=1), h.get(timeout_s=1)] == [0, 1]
