@@ -11,13 +11,13 @@ import os
 import time
 from typing import Any
 
-import pyarrow as pa
 import ray
 
 from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
+from ingest.sources import arrow_on_one_cpu
 from ingest.stream import Chunk, Stream, open_stream
 from ingest.tokenize import load_tokenizer
 
@@ -67,16 +67,7 @@ class StreamWorker:
 
     def __init__(self, config: Config, plan: UnitPlan, name: str):
         os.environ.update(WORKER_ENV)
-        # Arrow's compute and decode pool defaults to one thread per core of the node; the
-        # actor reserves one CPU, and other threads only contend with the other workers.
-        pa.set_cpu_count(1)
-        # Arrow's default allocator (mimalloc) made reading a row group into the row-group
-        # cache about 2x slower here than jemalloc or malloc (0.44 s against 0.2 s over the
-        # demo corpus): fresh memory for every group the cache keeps.
-        try:
-            pa.set_memory_pool(pa.jemalloc_memory_pool())
-        except NotImplementedError:  # a pyarrow built without jemalloc
-            pa.set_memory_pool(pa.system_memory_pool())
+        arrow_on_one_cpu()  # the actor reserves one CPU
         self._config = config
         self._plan = plan
         self._name = name
