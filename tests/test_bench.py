@@ -101,3 +101,30 @@ def test_ray_data_peer_packs_the_rows_our_stream_packs(seed):
                       predict_across_documents=False, eos_id=eos)
     for i, field in enumerate(FIELDS):
         np.testing.assert_array_equal(theirs[field], ours[i], err_msg=field)
+
+
+@pytest.mark.slow
+def test_chunk_sweep_reports_each_size_with_its_object_store_bound(tmp_path):
+    from tests.helpers import write_parquet_corpus
+
+    write_parquet_corpus(tmp_path / "corpus", n_files=2, docs_per_file=120, row_group_size=40,
+                         seed=3)
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({
+        "sources": [{"paths": [str(tmp_path / "corpus")]}], "seq_len": 64,
+        "global_batch_size": 8, "num_streams": 4, "unit_rows": 20, "prefetch": 2}))
+    cmd = [sys.executable, "-m", "benchmarks.chunk_sweep", "--config", str(config),
+           "--epochs", "2", "--rows", "4", "8", "--rounds", "1"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s; stderr so far:\n{e.stderr}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["epochs"] == 2 and set(out["runs"]) == {"4", "8"}
+    for r in ("4", "8"):
+        _positive(out["runs"][r], "object_store_bytes_bound")
+        assert len(out["runs"][r]["tokens_per_s"]) == 1 and out["runs"][r]["tokens_per_s"][0] > 0
+    # The bound is per chunk: twice the rows, twice the bytes (prefetch 2 fits either way).
+    assert out["runs"]["8"]["object_store_bytes_bound"] == \
+        2 * out["runs"]["4"]["object_store_bytes_bound"]
