@@ -76,7 +76,17 @@ class WorkerPool:
         self._poison_marker: str | None = None
         self.poisoned = 0  # documents located as killing workers and skipped
         self._workers = [self._spawn() for _ in range(n)]
-        self._placement = {s: self._workers[i % n] for i, s in enumerate(self._stream_ids)}
+        # Groups of streams_per_call consecutive streams, each group on one worker: one call
+        # makes the next chunk of every stream of a group (fewer calls and objects). At most
+        # a worker's share of the streams, so that every worker gets a group.
+        g = max(1, min(config.streams_per_call, len(self._stream_ids) // n))
+        self._group = {s: tuple(self._stream_ids[i - i % g:i - i % g + g])
+                       for i, s in enumerate(self._stream_ids)}
+        self._placement = {s: self._workers[(i // g) % n]
+                           for i, s in enumerate(self._stream_ids)}
+        # The result of the last grouped call fetched, which the group's other streams take
+        # their chunks from next: (ref, chunks).
+        self._fetched: tuple[Any, list] | None = None
         self._queues: dict[int, collections.deque] = {s: collections.deque()
                                                       for s in self._stream_ids}
         self._exhausted: set[int] = set()
@@ -97,6 +107,7 @@ class WorkerPool:
                 window_s=config.autoscale_window_s)
             self._scale_mark = (time.perf_counter(), 0.0)
         self.chunks_received = 0
+        self.requests = 0  # actor calls for chunks: one per chunk, or per group of them
         self.restarts = 0
         self.resizes = 0
         self.wait_s = 0.0
@@ -124,14 +135,53 @@ class WorkerPool:
         workers already running (``reset_after_epoch`` restarts a pass this way)."""
         for q in self._queues.values():
             q.clear()
+        self._fetched = None
         self._exhausted.clear()
         self._failures.clear()
         self.open(states)
 
-    def _fill(self, s: int, depth: int | None = None) -> None:
+    def _fill(self, s: int, depth: int | None = None, *, now: bool = False) -> None:
+        """Requests chunks of stream ``s`` until ``depth`` are in flight.
+
+        Queue entries are ``(ref, i)``: the chunk, or (``i`` not None) the i-th chunk of a
+        grouped call. A grouped call covers the streams of ``s``'s group on its worker that
+        need a chunk. The feed takes rows of every stream at the same pace, so a group's
+        streams run out of chunks at the same step, one after another: while another stream
+        of the group still holds its full queue, ``s`` leaves the request to it, unless ``now``
+        (``s`` needs a chunk at once).
+        """
+        depth = depth or self._depth
         q = self._queues[s]
-        while len(q) < (depth or self._depth) and s not in self._exhausted:
-            q.append(self._placement[s].produce.remote(s, self._config.chunk_rows))
+        w = self._placement[s]
+        rows = self._config.chunk_rows
+        while len(q) < depth and s not in self._exhausted:
+            if len(self._group[s]) == 1:
+                self.requests += 1
+                q.append((w.produce.remote(s, rows), None))
+                continue
+            members = [t for t in self._group[s]
+                       if self._placement[t] is w and t not in self._exhausted]
+            need = [t for t in members if len(self._queues[t]) < depth]
+            if len(need) < len(members) and not now:
+                return
+            self.requests += 1
+            ref = w.produce_many.remote(need, rows)
+            for i, t in enumerate(need):
+                self._queues[t].append((ref, i))
+            now = False  # the rest may wait for the group again
+
+    def _take(self, entry, s: int) -> Any:
+        """The chunk (or WorkerError) a queue entry of stream ``s`` names."""
+        ref, i = entry
+        if i is None:
+            return _get(ref, self._timeout, f"a chunk of stream {s}")
+        if self._fetched is None or self._fetched[0] != ref:
+            self._fetched = (ref, list(_get(ref, self._timeout, f"a chunk of stream {s}")))
+        chunks = self._fetched[1]
+        out, chunks[i] = chunks[i], None  # held by the feed from here on, not by this cache
+        if all(c is None for c in chunks):
+            self._fetched = None
+        return out
 
     def request_resize(self, n: int) -> None:
         """Asks for ``n`` workers; applied by the thread that calls ``next_chunk``, at its next
@@ -147,7 +197,7 @@ class WorkerPool:
         if now - since < self._autoscale.window_s:
             return
         self._scale_mark = (now, self.wait_s)
-        queued = [r for q in self._queues.values() for r in q]
+        queued = list(dict.fromkeys(ref for q in self._queues.values() for ref, _ in q))
         ready = len(ray.wait(queued, num_returns=len(queued), timeout=0)[0]) if queued else 0
         current = len(self._workers) + len(self._pending)
         target = self._autoscale.decide(
@@ -281,11 +331,11 @@ class WorkerPool:
         while True:
             q = self._queues[s]
             if not q:
-                self._fill(s)
-            ref = q.popleft()
+                self._fill(s, now=True)
+            entry = q.popleft()
             t0 = time.perf_counter()
             try:
-                out = _get(ref, self._timeout, f"a chunk of stream {s}")
+                out = self._take(entry, s)
             except _WORKER_LOST as e:
                 self._replace(self._placement[s], s, e)
                 continue

@@ -126,6 +126,10 @@ class StreamWorker:
             self._metrics.record(out.num_rows, time.perf_counter() - t0)
         return out
 
+    def produce_many(self, stream_ids: list[int], n_rows: int) -> list[Chunk | WorkerError]:
+        """``produce`` for each stream, returned as one object (``streams_per_call``)."""
+        return [self.produce(s, n_rows) for s in stream_ids]
+
     def produce_traced(self, stream_id: int, n_rows: int, key: str) -> Chunk | WorkerError:
         """``produce``, tokenizing one document at a time and writing each one's place to
         Ray's internal key-value store under ``key`` first: if a document kills this process,

@@ -28,7 +28,8 @@ SOURCE_KINDS = ("files", "materialized")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 
 # Fields that may differ between a checkpoint and the config it is restored into.
-RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "prefetch", "object_store_budget_mb",
+RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "streams_per_call", "prefetch",
+                            "object_store_budget_mb",
                             "reset_after_epoch",
                             "autoscale", "min_workers", "max_workers", "autoscale_window_s"})
 
@@ -169,7 +170,9 @@ class Config:
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
       workers: Ray worker actors (one CPU each). Runtime only.
-      chunk_rows: rows per actor call. Runtime only.
+      chunk_rows: rows per stream per actor call. Runtime only.
+      streams_per_call: streams of one worker whose next chunks one actor call makes and
+        returns as one object (fewer calls and objects; the chunks are the same). Runtime only.
       prefetch: chunk requests in flight per stream. Runtime only.
       object_store_budget_mb: the most object-store memory a host's chunks may hold (requests in
         flight plus the chunk being read, per owned stream); lowers the requests in flight to
@@ -201,6 +204,7 @@ class Config:
     on_bad_file: str = "error"
     workers: int = 2
     chunk_rows: int = 16
+    streams_per_call: int = 1
     prefetch: int = 2
     object_store_budget_mb: float | None = None
     autoscale: bool = False
@@ -237,7 +241,7 @@ class Config:
 
         ok = [positive_int(n) for n in ("seq_len", "global_batch_size", "num_streams",
                                         "packing_bins", "unit_rows", "workers", "chunk_rows",
-                                        "prefetch")]
+                                        "streams_per_call", "prefetch")]
         positive_int("num_epochs", allow_none=True)
         if (positive_int("min_workers") and positive_int("max_workers", allow_none=True)
                 and self.max_workers is not None and self.max_workers < self.min_workers):

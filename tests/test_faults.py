@@ -48,8 +48,10 @@ def _sharding():
     return batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
 
 
-def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, corpus):
-    cfg = _config(corpus)
+@pytest.mark.parametrize("streams_per_call", [1, 4])
+def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, corpus,
+                                                                 streams_per_call):
+    cfg = _config(corpus, streams_per_call=streams_per_call)
     with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
         expected = _digests(feed)
     assert len(expected) > 20
@@ -72,8 +74,10 @@ def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, c
     assert restarts >= len(killed) - 1  # a kill may land while its worker idles at the end
 
 
-def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus):
-    cfg = _config(corpus, num_epochs=2)
+@pytest.mark.parametrize("streams_per_call", [1, 2])
+def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus,
+                                                            streams_per_call):
+    cfg = _config(corpus, num_epochs=2, streams_per_call=streams_per_call)
     with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
         expected = _digests(feed)
     # At most 3 workers: the session cluster has 4 CPUs, and other tests may hold one.
@@ -110,9 +114,10 @@ def test_resize_is_refused_for_the_local_backend(corpus):
             feed.resize(2)
 
 
-def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(ray_cluster,
-                                                                               corpus):
-    cfg = _config(corpus, num_epochs=1)
+@pytest.mark.parametrize("streams_per_call", [1, 4])
+def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(
+        ray_cluster, corpus, streams_per_call):
+    cfg = _config(corpus, num_epochs=1, streams_per_call=streams_per_call)
     with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
         expected = _digests(feed)
     k = cfg.rows_per_stream

@@ -183,13 +183,24 @@ def reference(config, plan, sharding_1d):
 
 @pytest.mark.ray
 @pytest.mark.multidevice
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize(("workers", "streams_per_call"), [(1, 1), (2, 1), (3, 1), (1, 4),
+                                                            (2, 2), (3, 3)])
 def test_ray_feed_digest_matches_local_for_any_worker_count(ray_cluster, config, plan,
-                                                            sharding_1d, reference, workers):
-    with HostFeed(config, sharding=sharding_1d, backend="ray", workers=workers,
+                                                            sharding_1d, reference, workers,
+                                                            streams_per_call):
+    cfg = config.replace(streams_per_call=streams_per_call)
+    with HostFeed(cfg, sharding=sharding_1d, backend="ray", workers=workers,
                   plan=plan, get_timeout_s=60) as feed:
         batches = drain(feed)
         stats = feed.stats()
+        pool = feed._source
+        chunks, requests = pool.chunks_received, pool.requests
+    # Grouped: the streams of a group run out of chunks at the same step, so (start and end
+    # aside) one call serves them all. Groups are at most a worker's share of the streams.
+    group = min(streams_per_call, NUM_STREAMS // workers)
+    assert requests <= chunks / group + NUM_STREAMS, (requests, chunks)
+    if streams_per_call == 1:
+        assert requests >= chunks
     assert len(batches) == len(reference["batches"])
     assert digest_of(batches) == reference["digest"]
     assert stats["backend"] == "ray"
