@@ -87,6 +87,10 @@ class WorkerPool:
         # The result of the last grouped call fetched, which the group's other streams take
         # their chunks from next: (ref, chunks).
         self._fetched: tuple[Any, list] | None = None
+        # Streams asked for alone until they deliver a chunk: those of a worker that died. A
+        # grouped call that kills its worker fails every stream of the group, and the failures
+        # must land on the stream whose document kills it (poison documents, _count_failure).
+        self._solo: set[int] = set()
         self._queues: dict[int, collections.deque] = {s: collections.deque()
                                                       for s in self._stream_ids}
         self._exhausted: set[int] = set()
@@ -155,12 +159,12 @@ class WorkerPool:
         w = self._placement[s]
         rows = self._config.chunk_rows
         while len(q) < depth and s not in self._exhausted:
-            if len(self._group[s]) == 1:
+            if len(self._group[s]) == 1 or s in self._solo:
                 self.requests += 1
                 q.append((w.produce.remote(s, rows), None))
                 continue
-            members = [t for t in self._group[s]
-                       if self._placement[t] is w and t not in self._exhausted]
+            members = [t for t in self._group[s] if self._placement[t] is w
+                       and t not in self._exhausted and t not in self._solo]
             need = [t for t in members if len(self._queues[t]) < depth]
             if len(need) < len(members) and not now:
                 return
@@ -350,6 +354,7 @@ class WorkerPool:
             break
         _raise_worker_error(out)
         self.chunks_received += 1
+        self._solo.discard(s)
         self._resume[s] = (out.state_after, 0)
         self._failures.pop(s, None)
         if out.exhausted:
@@ -393,6 +398,7 @@ class WorkerPool:
             self.restarts += 1
             self.metrics.restarts.inc()
             moved = [t for t, w in self._placement.items() if w is dead]
+            self._solo.update(moved)
             for t in moved:
                 self._placement[t] = fresh
                 self._queues[t].clear()

@@ -163,8 +163,10 @@ def test_a_stream_that_keeps_failing_stops_with_an_error_naming_file_and_row(ray
         pool.close()
 
 
+@pytest.mark.parametrize("streams_per_call", [1, 2])
 def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_cluster,
-                                                                            tmp_path):
+                                                                            tmp_path,
+                                                                            streams_per_call):
     """on_bad_document: skip: a document whose tokenizing kills the worker process every time
     is located (traced on a disposable worker), skipped and counted as worker_crash; every
     other row is as if that document were a null text."""
@@ -187,7 +189,8 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
             pq.write_table(pa.table({"text": pa.array(col, pa.string())}),
                            tmp_path / name / f"part-{i}.parquet", row_group_size=10)
     cfg = _config(tmp_path / "poisoned", num_epochs=1, num_streams=4, global_batch_size=8,
-                  on_bad_document="skip", chunk_rows=2, prefetch=1)
+                  on_bad_document="skip", chunk_rows=2, prefetch=1,
+                  streams_per_call=streams_per_call)
     ref_cfg = _config(tmp_path / "nulled", num_epochs=1, num_streams=4, global_batch_size=8,
                       on_bad_document="skip", chunk_rows=2, prefetch=1)
     plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)
@@ -216,8 +219,10 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
         pool.close()
 
 
+@pytest.mark.parametrize("streams_per_call", [1, 2])
 def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cluster,
-                                                                          tmp_path):
+                                                                          tmp_path,
+                                                                          streams_per_call):
     """The same for a mixture: the traced document names its source, and the component skips
     it; the mixed rows equal those of the corpus with that document nulled, and the final
     state counts it."""
@@ -245,7 +250,8 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
         return Config(sources=(SourceConfig(paths=(str(tmp_path / name / "a"),), weight=2.0),
                                SourceConfig(paths=(str(tmp_path / name / "b"),))),
                       seq_len=32, global_batch_size=4, num_streams=2, unit_rows=10,
-                      num_epochs=1, on_bad_document="skip", chunk_rows=3, prefetch=1)
+                      num_epochs=1, on_bad_document="skip", chunk_rows=3, prefetch=1,
+                      streams_per_call=streams_per_call)
 
     cfg, ref_cfg = config("poisoned"), config("nulled")
     plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)
