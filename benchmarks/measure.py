@@ -85,7 +85,22 @@ def _group(cmdline: list[str], is_root: bool) -> str:
 class _Peak:
     sum_bytes: int = 0
     max_process_bytes: int = 0
+    max_process_own_bytes: int = 0  # RSS less shared-memory pages (Ray's object store)
     max_processes: int = 0
+
+
+def _shmem_bytes(pid: int) -> int:
+    """Resident shared-memory pages of a process (``RssShmem``): for Ray's processes, mostly
+    the object store, which every process that writes or reads objects maps. They count in its
+    RSS, and grow as it touches more of the store, though the store is bounded on its own."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class TreeSampler:
@@ -148,6 +163,7 @@ class TreeSampler:
                                "machine_steal_s": _machine_steal_s() - self._steal0}
         for g, p in self._peaks.items():
             out[g] = {"peak_bytes": p.sum_bytes, "max_process_bytes": p.max_process_bytes,
+                      "max_process_own_bytes": p.max_process_own_bytes,
                       "max_processes": p.max_processes}
         if self._poll_store:
             out["object_store"] = {"used_peak_bytes": self._store_peak,
@@ -178,6 +194,7 @@ class TreeSampler:
         sums = dict.fromkeys(GROUPS, 0)
         counts = dict.fromkeys(GROUPS, 0)
         biggest = dict.fromkeys(GROUPS, 0)
+        own = dict.fromkeys(GROUPS, 0)
         for proc, is_root in self._tree():
             try:
                 rss = proc.memory_info().rss
@@ -190,12 +207,14 @@ class TreeSampler:
             sums[group] += rss
             counts[group] += 1
             biggest[group] = max(biggest[group], rss)
+            own[group] = max(own[group], rss - _shmem_bytes(proc.pid))
         self._samples += 1
         self._total_peak = max(self._total_peak, sum(sums.values()))
         for g in GROUPS:
             p = self._peaks[g]
             p.sum_bytes = max(p.sum_bytes, sums[g])
             p.max_process_bytes = max(p.max_process_bytes, biggest[g])
+            p.max_process_own_bytes = max(p.max_process_own_bytes, own[g])
             p.max_processes = max(p.max_processes, counts[g])
 
     def _raylet(self) -> psutil.Process | None:

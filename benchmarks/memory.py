@@ -25,7 +25,7 @@ import time
 import psutil
 import yaml
 
-from benchmarks.measure import TreeSampler, _group, _kill_tree
+from benchmarks.measure import TreeSampler, _group, _kill_tree, _shmem_bytes
 
 
 def _config_file(config: str | None, epochs: int, tmp: str) -> str:
@@ -41,7 +41,7 @@ def _config_file(config: str | None, epochs: int, tmp: str) -> str:
 
 
 def _sample(root: psutil.Process) -> dict[str, int]:
-    out = {"host": 0, "workers_max": 0, "workers_sum": 0}
+    out = {"host": 0, "workers_max": 0, "workers_sum": 0, "workers_max_own": 0}
     try:
         tree = [(root, True)] + [(p, False) for p in root.children(recursive=True)]
     except psutil.Error:
@@ -56,6 +56,7 @@ def _sample(root: psutil.Process) -> dict[str, int]:
             out["host"] = rss
         elif group == "workers":
             out["workers_max"] = max(out["workers_max"], rss)
+            out["workers_max_own"] = max(out["workers_max_own"], rss - _shmem_bytes(proc.pid))
             out["workers_sum"] += rss
     return out
 
@@ -110,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     for e in range(args.epochs):
         lo, hi = steps * e / args.epochs, steps * (e + 1) / args.epochs
         part = [s for s in series if lo < s["step"] <= hi] or [{"host": 0, "workers_max": 0,
-                                                                 "workers_sum": 0}]
+                                                                 "workers_sum": 0,
+                                                                 "workers_max_own": 0}]
         per_epoch.append({k: max(s[k] for s in part) / 2**20
-                          for k in ("host", "workers_max", "workers_sum")})
+                          for k in ("host", "workers_max", "workers_sum", "workers_max_own")})
     result = {"epochs": args.epochs, "steps": steps, "tokens_per_s": summary["tokens_per_s"],
               "peak_mib_per_epoch": per_epoch,
               "object_store_used_peak_mib": (store_figures["object_store"]["used_peak_bytes"]
@@ -122,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": round(store_figures["wall_s"], 1),
               "other_programs_cpu_s": round(store_figures["other_programs_cpu_s"], 1)}
     print(f"{args.epochs} epochs, {steps} steps, {summary['tokens_per_s'] / 1e6:.2f} M tokens/s")
-    print("epoch  host MiB  largest worker MiB  all workers MiB")
+    print("epoch  host MiB  largest worker MiB  all workers MiB  largest worker without shmem")
     for e, m in enumerate(per_epoch):
-        print(f"{e:>5}  {m['host']:>8.0f}  {m['workers_max']:>18.0f}  {m['workers_sum']:>15.0f}")
+        print(f"{e:>5}  {m['host']:>8.0f}  {m['workers_max']:>18.0f}  {m['workers_sum']:>15.0f}"
+              f"  {m['workers_max_own']:>28.0f}")
     print(f"object store in use, peak: {result['object_store_used_peak_mib']:.1f} MiB "
           f"(the feed's bound: {result['feed_object_store_bound_mib']:.1f} MiB)")
     print(f"CPU seconds over {result['wall_s']} s: " + ", ".join(
