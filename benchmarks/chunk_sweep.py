@@ -9,9 +9,11 @@ object-store bound for each::
 
 Many epochs make the rows produced before the first batch (``num_streams x chunk_rows`` of
 them, and the requests in flight behind them) a small part of the run, which a one-epoch
-measurement is not. Each chunk is one object in Ray's object store, and storing one costs a
-worker three synchronous round trips to the raylet (create, seal, pin) and a copy, whatever
-its size: larger chunks spread that over more tokens.
+measurement is not. Each call's result is one object in Ray's object store, and storing one
+costs a worker three synchronous round trips to the raylet (create, seal, pin) and a copy,
+whatever its size: larger chunks (or ``streams_per_call``) spread that over more tokens. That
+is about half of what larger chunks gain here (``benchmarks/actor_probe.py``); the other half,
+per chunk of a stream, is not explained yet.
 """
 
 from __future__ import annotations
