@@ -54,6 +54,7 @@ class _Timer:
         self.tokens = 0
         self.steps = 0
         self._gaps: list[float] = []
+        self._marks: list[tuple[float, int]] = []  # (time, tokens so far) after each batch
 
     def batch(self, tokens: int) -> None:
         now = time.time()
@@ -64,6 +65,7 @@ class _Timer:
         self.last = now
         self.tokens += tokens
         self.steps += 1
+        self._marks.append((now, self.tokens))
 
     def summary(self, spec: BenchSpec, **extra: Any) -> dict[str, Any]:
         if self.first is None or self.last is None:
@@ -74,8 +76,21 @@ class _Timer:
                 "tokens_per_s": self.tokens / span if span > 0 else 0.0,
                 "startup_s": self.first - self.started_at,
                 "tokens_per_s_with_startup": self.tokens / (self.last - self.started_at),
+                **self._steady(),
                 "seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size,
                 **self._arrivals(), **extra}
+
+    def _steady(self) -> dict[str, Any]:
+        """The rate over the later part of the run, as ``HostFeed.stats()`` takes ours."""
+        from jax_side.feed import steady_window_start  # noqa: PLC0415 (jax is loaded by now)
+
+        m = steady_window_start(self.steps)
+        if m is None:
+            return {"steady_from_step": None, "steady_tokens_per_s": 0.0}
+        t, tokens = self._marks[m - 1]
+        span = self.last - t
+        return {"steady_from_step": m,
+                "steady_tokens_per_s": (self.tokens - tokens) / span if span > 0 else 0.0}
 
     def _arrivals(self) -> dict[str, Any]:
         """Whether batches came steadily or in bursts. A pipeline that finishes whole blocks

@@ -39,7 +39,7 @@ from ingest.tokenize import load_tokenizer
 from jax_side.multihost import EndAgreement
 from jax_side.sharding import host_rows, host_rows_per_batch_size
 
-__all__ = ["HostFeed", "IteratorLength", "LocalSource", "steps_covering"]
+__all__ = ["HostFeed", "IteratorLength", "LocalSource", "steady_window_start", "steps_covering"]
 
 HOST_STATE_VERSION = 1
 
@@ -49,6 +49,14 @@ BYTES_PER_TOKEN = 4.0
 # Epochs whose deals are computed for iterator_length; later epochs repeat them (deals balance
 # bytes, so every epoch's per-stream bytes are alike), and the count is then an estimate.
 DEALT_EPOCHS = 8
+
+
+def steady_window_start(steps: int) -> int | None:
+    """The step that starts the steady window of a run of ``steps`` steps: the largest power
+    of two at most ``steps / 2`` (None under 4 steps)."""
+    if steps < 4:
+        return None
+    return 1 << ((steps // 2).bit_length() - 1)
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
@@ -307,6 +315,9 @@ class HostFeed:
         self.wait_after_first_s = 0.0
         self.first_batch_time: float | None = None
         self.last_batch_time: float | None = None
+        # (time, tokens, wait after the first batch) when ``steps`` reaches each power of two:
+        # the steady rate is taken over the later part of the run from these.
+        self._marks: dict[int, tuple[float, int, float]] = {}
 
     # -- state ---------------------------------------------------------------------------
 
@@ -529,6 +540,8 @@ class HostFeed:
         self._pass_started = True
         self.steps += 1
         self.tokens += item.tokens
+        if self.steps & (self.steps - 1) == 0:
+            self._marks[self.steps] = (now, self.tokens, self.wait_after_first_s)
         self.padding_rows += item.padding_rows
         self.padding_tokens += item.padding_tokens
         self._state = item.state
@@ -698,6 +711,7 @@ class HostFeed:
             "wait_max_s": self.wait_max_s,
             "stall_fraction": (self.wait_after_first_s / span) if span > 0 else 0.0,
             "tokens_per_s": (self.tokens / span) if span > 0 else 0.0,
+            **self._steady(),
             # The pool starts at most one worker per owned stream.
             "workers": min(self._workers, len(self._rows.streams)) if self.backend == "ray" else 0,
             "backend": self.backend,
@@ -718,6 +732,23 @@ class HostFeed:
             "source_proportions": ([round(float(x), 4) for x in mix_tokens / mix_tokens.sum()]
                                    if len(mix_tokens) > 1 and mix_tokens.sum() else []),
         }
+
+    def _steady(self) -> dict[str, Any]:
+        """Rate and stall over the later part of the run: from step ``m``, the largest power
+        of two at most half the steps, to the last step. From the first batch on, the rows
+        made before it (a chunk of every stream) count in the rate but not in the time;
+        past ``m`` they are spent in runs much longer than a chunk's steps, so this is the
+        rate a long training job sees."""
+        m = steady_window_start(self.steps)
+        if m is None or m not in self._marks or self.last_batch_time is None:
+            return {"steady_from_step": None, "steady_tokens_per_s": 0.0,
+                    "steady_stall_fraction": 0.0}
+        t, tokens, waited = self._marks[m]
+        span = self.last_batch_time - t
+        return {"steady_from_step": m,
+                "steady_tokens_per_s": (self.tokens - tokens) / span if span > 0 else 0.0,
+                "steady_stall_fraction": ((self.wait_after_first_s - waited) / span
+                                          if span > 0 else 0.0)}
 
     def close(self) -> None:
         """Stops the producer thread and the workers."""

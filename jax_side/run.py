@@ -124,7 +124,9 @@ class _NotMainThreadWarning(logging.Filter):
 def _summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [
         f"steps {s['steps']}  tokens {s['tokens']:,}  tokens/s {s['tokens_per_s']:,.0f}  "
-        f"startup {s['startup_s']:.2f} s  stall {100 * s['stall_fraction']:.1f}%",
+        f"startup {s['startup_s']:.2f} s  stall {100 * s['stall_fraction']:.1f}%"
+        + (f"  (from step {s['steady_from_step']}: tokens/s {s['steady_tokens_per_s']:,.0f}, "
+           f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else ""),
         f"backend {s['backend']}  workers {s['workers']}  restarts {s['restarts']}  "
         f"streams {s['streams']}  "
         f"padding rows {s['padding_rows']}  padding tokens {s['padding_tokens']:,}",

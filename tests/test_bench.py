@@ -65,14 +65,15 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
 
     ours = results["ours"]
     _positive(ours, "tokens_per_s", "tokens_per_s_with_startup", "startup_s", "steps", "tokens",
-              "seconds_per_batch", "object_store_bytes_peak", "memory.host.peak_bytes",
+              "seconds_per_batch", "steady_tokens_per_s", "steady_seconds_per_batch",
+              "object_store_bytes_peak", "memory.host.peak_bytes",
               "memory.workers.peak_bytes", "memory.total_peak_bytes")
     assert ours["workers"] == results["setting"]["cpus"]
     assert 0 <= ours["stall_fraction"] <= 1
 
     for name, peer in results["peers"].items():
         _positive(peer, "tokens_per_s", "tokens_per_s_with_startup", "startup_s", "steps",
-                  "tokens", "memory.host.peak_bytes")
+                  "tokens", "memory.host.peak_bytes", "steady_tokens_per_s")
         assert peer["steps"] == results["setting"]["steps"], name
 
     _positive(results["host_assembly"], "assembly_us", "np_copy_us", "make_array_us",
@@ -82,7 +83,12 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
     assert 0 <= step["stall_fraction"] <= 1
     store = step["memory"]["object_store"]  # Ray's own figure: best effort, else a reason
     assert store["polls_ok"] > 0 or store.get("error")
-    _positive(results["ratios"], "ours_over_cpus_x_limit", "ours_over_best_peer_with_startup")
+    _positive(results["ratios"], "ours_over_cpus_x_limit", "ours_over_best_peer_with_startup",
+              "steady_ours_over_cpus_x_limit")
+    # The step is set from the steady time per batch; --quick judges no target.
+    assert step["pipeline_seconds_per_batch"] == ours["steady_seconds_per_batch"]
+    assert results["ratios"]["meets_target"] is None
+    assert results["ratios"]["meets_target_steady"] is None
     assert set(results["ratios"]["ours_over_each_peer"]) == set(results["peers"])
 
 

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
 from jax_side import HostFeed, batch_sharding
+from jax_side.feed import steady_window_start
 
 DEADLINE_S = 120.0  # generous for 2 CPUs; a healthy drain of this corpus takes a few seconds
 
@@ -352,6 +353,35 @@ def test_consumer_wait_stats_are_present_and_non_negative(reference):
     assert stats["tokens_per_s"] > 0
     assert stats["steps"] == len(reference["batches"])
     assert stats["backend"] == "local"
+
+
+@pytest.mark.parametrize(("steps", "start"), [(0, None), (3, None), (4, 2), (7, 2), (8, 4),
+                                             (478, 128), (512, 256), (1442, 512)])
+def test_steady_window_starts_at_the_largest_power_of_two_within_half_the_steps(steps, start):
+    assert steady_window_start(steps) == start
+
+
+def test_steady_rate_and_stall_cover_only_the_later_steps(config, plan, sharding_1d):
+    """A consumer slow before the steady window and fast inside it: the steady rate leaves the
+    slow steps out, and the steady stall counts only the waits inside the window."""
+    feed = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan)
+    with feed:
+        n = len(drain(feed, max_steps=1000))
+    m = steady_window_start(n)
+    assert m is not None and m < n, f"the corpus gives {n} steps; the test needs at least 4"
+
+    def slow_first_steps(f):
+        if f.steps < m:
+            time.sleep(0.2)
+
+    feed = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan)
+    with feed:
+        drain(feed, after_each=slow_first_steps)
+        stats = feed.stats()
+    assert stats["steady_from_step"] == m
+    # The window's steps came without the sleeps: far faster than the run's rate over all.
+    assert stats["steady_tokens_per_s"] > 2 * stats["tokens_per_s"], stats
+    assert 0 <= stats["steady_stall_fraction"] <= 1
 
 
 # -- state ---------------------------------------------------------------------------------
