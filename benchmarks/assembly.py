@@ -5,7 +5,7 @@ are produced first (by our streams, in this process; not timed), then replayed i
 
     hostfeed     HostFeed's own assembly (``_assemble``): copy k rows per stream into the
                  local batch, count tokens, snapshot the state, and form the six global arrays
-                 (one batched jax.device_put in a single process, else six
+                 (one batched transfer in a single process, else six
                  jax.make_array_from_process_local_data calls)
     row_copy     only the row copies into a fresh local batch (64-byte aligned, as HostFeed's)
     make_array   only forming the six global arrays from a ready batch, as HostFeed does

@@ -355,6 +355,30 @@ def test_consumer_wait_stats_are_present_and_non_negative(reference):
     assert stats["backend"] == "local"
 
 
+@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2), (1, 8)])
+def test_batched_transfer_gives_the_arrays_device_put_gives(devices, mesh_shape):
+    """The feed's fast path to device arrays (JAX's own batched transfer) against the public
+    ``jax.device_put``: same type, sharding, committed flag, shards and values."""
+    import jax_side.feed as feed_module  # noqa: PLC0415
+
+    assert feed_module._shard_args is not None, "the pinned JAX should offer pxla.shard_args"
+    names = ("data", "model")[:len(mesh_shape)]
+    sharding = batch_sharding(jax.make_mesh(mesh_shape, names), "data")
+    local = feed_module._aligned_empty((len(FIELDS), 16, SEQ_LEN))
+    local[:] = np.random.default_rng(0).integers(0, 50_000, local.shape, dtype=np.int32)
+    ours = feed_module._device_put_fields(local, sharding)
+    theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
+    assert list(ours) == list(FIELDS)
+    for name in FIELDS:
+        a, b = ours[name], theirs[name]
+        assert type(a) is type(b) and a.sharding == b.sharding, name
+        assert a._committed and b._committed, name
+        assert [(s.device, s.index) for s in a.addressable_shards] == \
+            [(s.device, s.index) for s in b.addressable_shards], name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert feed_module._shard_args is not None, "the fast path fell back to jax.device_put"
+
+
 @pytest.mark.parametrize(("steps", "start"), [(0, None), (3, None), (4, 2), (7, 2), (8, 4),
                                              (478, 128), (512, 256), (1442, 512)])
 def test_steady_window_starts_at_the_largest_power_of_two_within_half_the_steps(steps, start):
