@@ -17,7 +17,7 @@ from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
-from ingest.sources import arrow_on_one_cpu
+from ingest.process import one_cpu_producer
 from ingest.stream import Chunk, Stream, open_stream
 from ingest.tokenize import load_tokenizer
 
@@ -67,7 +67,7 @@ class StreamWorker:
 
     def __init__(self, config: Config, plan: UnitPlan, name: str):
         os.environ.update(WORKER_ENV)
-        arrow_on_one_cpu()  # the actor reserves one CPU
+        one_cpu_producer()  # the actor reserves one CPU
         self._config = config
         self._plan = plan
         self._name = name

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ingest.demo import demo_config
     from ingest.plan import build_plan
-    from ingest.sources import arrow_on_one_cpu
+    from ingest.process import one_cpu_producer
     from ingest.stream import open_stream
 
     cfg = demo_config(num_epochs=args.epochs, chunk_rows=args.chunk_rows)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     @ray.remote(num_cpus=1)
     class Probe:
         def __init__(self, stream_ids: list[int]):
-            arrow_on_one_cpu()
+            one_cpu_producer()
             self.streams = {s: open_stream(cfg, plan, s) for s in stream_ids}
 
         def ready(self) -> bool:

@@ -196,9 +196,9 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
     import cProfile
     import pstats
 
-    from ingest.sources import arrow_on_one_cpu
+    from ingest.process import one_cpu_producer
 
-    arrow_on_one_cpu()  # as a worker does
+    one_cpu_producer()  # as a worker does
     k = spec.global_batch_size // spec.num_streams
     cap = spec.steps * k if spec.steps else None
     # The profiled pass first: it also warms the page cache and the tokenizer's caches.

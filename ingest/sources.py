@@ -28,8 +28,7 @@ import pyarrow.parquet as pq
 
 from ingest.errors import BadInputError
 
-__all__ = ["FileInfo", "arrow_on_one_cpu", "describe_file", "describe_table", "list_files",
-           "read_texts"]
+__all__ = ["FileInfo", "describe_file", "describe_table", "list_files", "read_texts"]
 
 SUFFIXES = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -242,21 +241,6 @@ def _check_column(schema: pa.Schema, column: str, path: str, *, tokens: bool = F
         raise BadInputError(
             f"{path}: text_column={column!r} has type {t}, expected string (or binary holding "
             f"UTF-8); point text_column at a text column", reason="column_type", path=path)
-
-
-def arrow_on_one_cpu() -> None:
-    """Sets up Arrow for a process that reads on one CPU (a worker; the one-core benchmark).
-
-    Arrow's compute and decode pool defaults to one thread per core of the machine; other
-    threads only contend with the other workers. And Arrow's default allocator (mimalloc) made
-    reading row groups into the row-group cache about 2 x slower here than jemalloc or malloc
-    (0.44 s against 0.2 s over the demo corpus): fresh memory for every group the cache keeps.
-    """
-    pa.set_cpu_count(1)
-    try:
-        pa.set_memory_pool(pa.jemalloc_memory_pool())
-    except NotImplementedError:  # a pyarrow built without jemalloc
-        pa.set_memory_pool(pa.system_memory_pool())
 
 
 def read_texts(info: FileInfo, group: int, start: int, stop: int,
