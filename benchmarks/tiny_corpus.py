@@ -61,20 +61,23 @@ def write_tiny_corpus(root: str | None = None) -> str:
     """Writes (once) the tiny-document shards and their config; returns the config's path."""
     out = os.path.join(root or cache_root(), "tiny-docs-v2")
     config_path = os.path.join(out, "tiny.yaml")
-    if os.path.exists(config_path):
-        return config_path
     demo = demo_config()
-    table = pq.read_table(list(demo.sources[0].paths)[0], columns=["text"])
-    docs = _tiny_documents(table.column("text").to_pylist())
-    os.makedirs(out, exist_ok=True)
-    for i in range(NUM_SHARDS):
-        tmp = os.path.join(out, f".part-{i:05d}.parquet.tmp")
-        pq.write_table(pa.table({"text": docs[i::NUM_SHARDS]}), tmp,
-                       row_group_size=ROW_GROUP_SIZE)
-        os.replace(tmp, os.path.join(out, f"part-{i:05d}.parquet"))
-    config = {"sources": [{"paths": [out], "text_column": "text"}], "tokenizer": "gpt2",
-              "seq_len": 1024, "global_batch_size": 32, "num_streams": 16, "packing": "concat",
-              "num_epochs": 1, "unit_rows": 256, "chunk_rows": 128, "prefetch": 2}
+    if not os.path.exists(os.path.join(out, f"part-{NUM_SHARDS - 1:05d}.parquet")):
+        table = pq.read_table(list(demo.sources[0].paths)[0], columns=["text"])
+        docs = _tiny_documents(table.column("text").to_pylist())
+        os.makedirs(out, exist_ok=True)
+        for i in range(NUM_SHARDS):
+            tmp = os.path.join(out, f".part-{i:05d}.parquet.tmp")
+            pq.write_table(pa.table({"text": docs[i::NUM_SHARDS]}), tmp,
+                           row_group_size=ROW_GROUP_SIZE)
+            os.replace(tmp, os.path.join(out, f"part-{i:05d}.parquet"))
+    # The demo's job on these documents (its runtime settings too: chunks, requests in flight,
+    # streams per call); written on every call, so it follows the demo's.
+    config = {"sources": [{"paths": [out], "text_column": "text"}], "tokenizer": demo.tokenizer,
+              "seq_len": demo.seq_len, "global_batch_size": demo.global_batch_size,
+              "num_streams": demo.num_streams, "packing": demo.packing, "num_epochs": 1,
+              "unit_rows": 256, "chunk_rows": demo.chunk_rows, "prefetch": demo.prefetch,
+              "streams_per_call": demo.streams_per_call}
     with open(config_path + ".tmp", "w") as f:
         yaml.safe_dump(config, f)
     os.replace(config_path + ".tmp", config_path)
