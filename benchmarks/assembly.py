@@ -56,6 +56,23 @@ def _median_us(times: list[float]) -> float:
     return statistics.median(times) * 1e6
 
 
+def _arrays_then_copy(local: np.ndarray, sharding, batch: int) -> tuple[float, float]:
+    """Seconds to form the global arrays from a ready local batch (as HostFeed does), then
+    seconds for np.copy of the same bytes."""
+    import jax
+
+    from jax_side.feed import global_arrays
+
+    t0 = time.perf_counter()
+    arrays = global_arrays(local, sharding, batch)
+    jax.block_until_ready(arrays)
+    t1 = time.perf_counter()
+    flat = np.copy(local)
+    t2 = time.perf_counter()
+    del flat, arrays
+    return t1 - t0, t2 - t1
+
+
 def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     import jax
 
@@ -63,7 +80,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from ingest.plan import build_plan
     from ingest.shift import FIELDS
     from ingest.stream import Stream
-    from jax_side.feed import HostFeed, _aligned_empty, global_arrays
+    from jax_side.feed import HostFeed, _aligned_empty
     from jax_side.sharding import batch_sharding, host_rows
 
     cfg = Config.from_dict(spec.config)
@@ -119,15 +136,10 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
                     ci, taken = ci + 1, 0
             pos[s] = (ci, taken)
         t1 = time.perf_counter()
-        arrays = global_arrays(local, sharding, cfg.global_batch_size)
-        jax.block_until_ready(arrays)
-        t2 = time.perf_counter()
-        flat = np.copy(local)
-        t3 = time.perf_counter()
-        del flat, arrays
+        make_s, np_s = _arrays_then_copy(local, sharding, cfg.global_batch_size)
         copy_t.append(t1 - t0)
-        make_t.append(t2 - t1)
-        np_t.append(t3 - t2)
+        make_t.append(make_s)
+        np_t.append(np_s)
     out.update(row_copy_us=_median_us(copy_t), make_array_us=_median_us(make_t),
                np_copy_us=_median_us(np_t))
     assembled = out.get("hostfeed_us", out["row_copy_us"] + out["make_array_us"])
@@ -147,11 +159,11 @@ SWEEP_CHUNK_ROWS = 128
 
 def measure_sweep(steps: int) -> list[dict[str, Any]]:
     """HostFeed's assembly steps (per-stream row copies into an aligned batch, then one
-    batched device_put) on synthetic chunks, against np.copy of the same bytes, per shape."""
+    batched transfer) on synthetic chunks, against np.copy of the same bytes, per shape."""
     import jax
 
     from ingest.shift import FIELDS
-    from jax_side.feed import _aligned_empty, global_arrays
+    from jax_side.feed import _aligned_empty
     from jax_side.sharding import batch_sharding
 
     mesh = jax.make_mesh((jax.local_device_count(),), ("data",))
@@ -170,14 +182,10 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
             r0 = (step * k) % (SWEEP_CHUNK_ROWS - k + 1)
             for j, c in enumerate(chunks):
                 local[:, j * k:(j + 1) * k] = c[:, r0:r0 + k]
-            arrays = global_arrays(local, sharding, batch)
-            jax.block_until_ready(arrays)
             t1 = time.perf_counter()
-            flat = np.copy(local)
-            t2 = time.perf_counter()
-            del flat, arrays
-            asm_t.append(t1 - t0)
-            copy_t.append(t2 - t1)
+            make_s, np_s = _arrays_then_copy(local, sharding, batch)
+            asm_t.append(t1 - t0 + make_s)
+            copy_t.append(np_s)
         a, c = _median_us(asm_t), _median_us(copy_t)
         out.append({"global_batch_size": batch, "seq_len": seq_len,
                     "batch_bytes": int(np.prod(shape)) * 4, "assembly_us": a,
