@@ -75,14 +75,39 @@ class WorkerPool:
         self._next_name = 0
         self._poison_marker: str | None = None
         self.poisoned = 0  # documents located as killing workers and skipped
+        # Workers take one CPU each. Those the cluster has no free CPU for start as pending,
+        # like a resize's (a node may join; they take streams once they run): the streams
+        # open on the workers that can run now instead of waiting for all of them.
+        start_now = min(n, max(1, int(ray.available_resources().get("CPU", 0))))
+        if start_now < n:
+            log.warning("workers=%d, but the Ray cluster has %d free CPU(s) and each worker "
+                        "takes one: starting with %d, the other %d wait for a CPU (a node "
+                        "joining, another job ending); lower workers, or add CPUs (`ray start "
+                        "--num-cpus`, more nodes)", n, start_now, start_now, n - start_now)
         self._workers = [self._spawn() for _ in range(n)]
+        self._pending: list = []
+        if start_now < n:
+            # Ray starts actors in no set order: the first to start take the streams.
+            refs = [self._where[id(w)] for w in self._workers]
+            ready, _ = ray.wait(refs, num_returns=start_now, timeout=self._timeout)
+            if not ready:
+                for w in self._workers:
+                    ray.kill(w, no_restart=True)
+                raise TimeoutError(f"none of {n} workers started within {self._timeout:.0f} s: "
+                                   f"check the cluster (`ray status`) and the worker logs")
+            started = {r.hex() for r in ready}
+            self._pending = [w for w in self._workers
+                             if self._where[id(w)].hex() not in started]
+            self._workers = [w for w in self._workers
+                             if self._where[id(w)].hex() in started]
+            start_now = len(self._workers)
         # Groups of streams_per_call consecutive streams, each group on one worker: one call
         # makes the next chunk of every stream of a group (fewer calls and objects). At most
         # a worker's share of the streams, so that every worker gets a group.
         g = max(1, min(config.streams_per_call, len(self._stream_ids) // n))
         self._group = {s: tuple(self._stream_ids[i - i % g:i - i % g + g])
                        for i, s in enumerate(self._stream_ids)}
-        self._placement = {s: self._workers[(i // g) % n]
+        self._placement = {s: self._workers[(i // g) % start_now]
                            for i, s in enumerate(self._stream_ids)}
         # The result of the last grouped call fetched, which the group's other streams take
         # their chunks from next: (ref, chunks).
@@ -101,7 +126,6 @@ class WorkerPool:
         # come back to back, a poison document fails every time.
         self.max_failures = 5
         self._target_workers: int | None = None
-        self._pending: list = []
         self._autoscale: AutoscalePolicy | None = None
         if config.autoscale:
             self._autoscale = AutoscalePolicy(
@@ -495,9 +519,9 @@ class WorkerPool:
         self._placement[s].inject_error.remote(s, at_row)
 
     def close(self) -> None:
-        for w in self._workers:
+        for w in self._workers + self._pending:
             ray.kill(w, no_restart=True)
-        self._workers = []
+        self._workers, self._pending = [], []
 
 
 # A lost worker, node or object, or an unexpected failure inside a call: all are retried by

@@ -57,9 +57,15 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    cpus = os.cpu_count() or 1
+    if num_cpus is not None and num_cpus > cpus:
+        # Each worker takes one CPU: a worker with none would never start.
+        log.warning("%d workers on %d CPUs: the local Ray cluster gets %d CPUs so that every "
+                    "worker starts, and they share the cores (on the demo, 3 workers on 2 CPUs "
+                    "were no faster than 2)", num_cpus, cpus, num_cpus)
     # Listens on 127.0.0.1 only: main() set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray
     # was imported (see prepare_environment).
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+    ray.init(num_cpus=num_cpus or cpus, include_dashboard=False,
              logging_level=logging.WARNING, configure_logging=True)
 
 
@@ -70,14 +76,14 @@ class _RayStarter:
     driver meanwhile reads the config, loads the tokenizer and plans the units.
     """
 
-    def __init__(self, address: str | None):
+    def __init__(self, address: str | None, num_cpus: int | None = None):
         self._error: BaseException | None = None
         self._up = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(address,), name="ray.init",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(address, num_cpus),
+                                        name="ray.init", daemon=True)
         self._thread.start()
 
-    def _run(self, address: str | None) -> None:
+    def _run(self, address: str | None, num_cpus: int | None) -> None:
         # ray.init warns that it cannot set its SIGTERM handler off the main thread;
         # wait() sets the same handler there.
         logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
@@ -90,7 +96,7 @@ class _RayStarter:
         starts_cluster = not ray.is_initialized() and not (
             address or os.environ.get("RAY_ADDRESS"))
         try:
-            start_ray(address)
+            start_ray(address, num_cpus)
         except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
             self._error = e
             return
@@ -195,7 +201,14 @@ def run_command(args) -> int:
     t_start = _process_start_time()
     import jax  # before Ray starts: importing it beside ray.init slowed both (GIL and CPUs)
 
-    ray_started = _RayStarter(args.address) if args.backend == "ray" else None
+    overrides = {"workers": args.workers}
+    # A config file is read before Ray starts (about 10 ms), to size a local cluster.
+    cfg = load_config(args.config, **overrides) if args.config else None
+    ray_started = None
+    if args.backend == "ray":
+        # Workers take one CPU each: a local cluster gets at least one per worker asked for.
+        workers = cfg.workers if cfg is not None else args.workers
+        ray_started = _RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
     try:
         from jax_side import multihost
         from jax_side.feed import HostFeed
@@ -205,8 +218,8 @@ def run_command(args) -> int:
         multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
         lead = jax.process_index() == 0
 
-        overrides = {"workers": args.workers}
-        cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
+        if cfg is None:
+            cfg = demo_config(**overrides)
         devices = jax.devices()
         mesh = jax.make_mesh((len(devices),), ("data",))
         if cfg.global_batch_size % len(devices):

@@ -60,3 +60,37 @@ def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_clu
         grown = feed._source.resizes
     assert got == expected
     assert grown >= 1, "the host waited on one worker, so the pool should have grown"
+
+
+def test_workers_beyond_the_free_cpus_start_pending_and_the_batches_are_unchanged(
+        ray_cluster, tmp_path, caplog):
+    import ray
+
+    write_parquet_corpus(tmp_path, n_files=2, docs_per_file=60, row_group_size=20, seed=9)
+    # Two more workers than the 4-CPU test cluster has CPUs: before, opening the streams
+    # waited for workers that could never start, until the 300 s timeout.
+    asked = int(ray.cluster_resources()["CPU"]) + 2
+    cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
+                 global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10, chunk_rows=2,
+                 workers=asked)
+    sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
+
+    def digest(feed):
+        d = BatchDigest()
+        for batch in feed:
+            d.update({k: np.asarray(v) for k, v in batch.items()})
+        return d.hexdigest()
+
+    with HostFeed(cfg, sharding=sharding, backend="local") as feed:
+        expected = digest(feed)
+    with caplog.at_level("WARNING", logger="ingest.pool"):
+        # Bounded: without pending workers, opening the streams times out instead.
+        with HostFeed(cfg, sharding=sharding, backend="ray", get_timeout_s=60) as feed:
+            got = digest(feed)
+            pool = feed._source
+            pending = pool.num_pending
+    assert got == expected
+    assert pending >= 2, f"{asked} workers on {asked - 2} CPUs: at least 2 should wait"
+    assert pool.num_pending == 0 and pool.num_workers == 0, "close() must end pending workers too"
+    assert any(f"workers={asked}, but the Ray cluster has" in r.getMessage()
+               for r in caplog.records)

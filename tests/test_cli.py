@@ -236,6 +236,24 @@ def test_digest_log_has_one_line_per_step_equal_to_in_process_digests(cli_run, i
 
 
 @pytest.mark.slow
+def test_more_workers_than_cpus_get_a_local_cluster_with_a_cpu_each(job, cache_dir, in_process):
+    cpus = os.cpu_count() or 1
+    workers = cpus + 1
+    if workers > CONFIG["num_streams"]:
+        pytest.skip(f"{cpus} CPUs: one worker more than that exceeds the job's streams")
+    # No --address: the command starts its own cluster. Before, it had one CPU per core, so
+    # the last worker never started and the run waited for it until the 300 s timeout.
+    proc = run_cli(["run", str(job / "config.yaml"), "--steps", str(STEPS), "--digest",
+                    "--json", "--no-progress", "--workers", str(workers)], cache_dir=cache_dir)
+    s = summary(proc)
+    assert s["workers"] == workers
+    assert len(s["rows_per_s_by_worker"]) == workers, "every worker should have made rows"
+    assert s["digest"] == in_process["digest_first"]
+    assert f"{workers} workers on {cpus} CPUs: the local Ray cluster gets {workers}" \
+        in proc.stderr
+
+
+@pytest.mark.slow
 def test_run_without_steps_feeds_to_the_end_of_the_data(job, cache_dir, in_process):
     s = summary(run_cli(["run", str(job / "config.yaml"), "--digest", "--json", "--no-progress",
                          "--backend", "local"], cache_dir=cache_dir))
