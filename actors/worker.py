@@ -184,6 +184,13 @@ class _Poisoned:
                                                    tokenizer.vocab_size)
 
     def encode_batch(self, texts: list[str]):
+        self._check(texts)
+        return self._tok.encode_batch(texts)
+
+    def encode_concat(self, texts: list[str]):
+        self._check(texts)
+        return self._tok.encode_concat(texts)
+
+    def _check(self, texts: list[str]) -> None:
         if any(self._marker in t for t in texts):
             os._exit(70)  # no cleanup, no exception: what a crashing native library does
-        return self._tok.encode_batch(texts)

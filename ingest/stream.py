@@ -215,13 +215,11 @@ class Stream:
         else:
             good_idx = np.flatnonzero(bad == 0)
             good = texts if len(good_idx) == n else [texts[i] for i in good_idx.tolist()]
-            encoded, failed = self._encode(good, epoch, pos, first_doc + good_idx)
+            ids, counts, failed = self._encode(good, epoch, pos, first_doc + good_idx)
             if failed:
                 bad[good_idx[failed]] = BAD_REASONS.index("tokenizer_error")
                 self._raise_first_bad(bad, info, unit, order, detail=self._tokenizer_error)
-                encoded = [x for x in encoded if x is not None]
-            lengths[bad == 0] = np.fromiter(map(len, encoded), dtype=np.int64,
-                                            count=len(encoded)) + 1
+            lengths[bad == 0] = counts + 1
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         tokens = np.empty(int(offsets[-1]), dtype=np.int32)
@@ -230,8 +228,6 @@ class Stream:
         if pretokenized:
             good_arr = arr.take(_int64_array(np.flatnonzero(bad == 0)))
             ids = numpy_view(pc.list_flatten(good_arr))
-        else:
-            ids = np.concatenate(encoded) if encoded else np.zeros(0, np.int32)
         # Every position but each document's last (its EOS) takes the next id in order: one
         # vectorized scatter instead of a copy per document (tiny documents are common).
         eos_at = offsets[1:][bad == 0] - 1
@@ -243,9 +239,10 @@ class Stream:
         return _UnitTokens(epoch, pos, first_doc, tokens, starts, offsets, bad, info.path)
 
     def _encode(self, texts: list[str], epoch: int, pos: int, docs: np.ndarray
-                ) -> tuple[list[np.ndarray | None], list[int]]:
-        """Token ids of ``texts`` (documents ``docs`` of unit ``pos``), and the indices of the
-        texts the tokenizer failed on (None in their place).
+                ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Token ids of ``texts`` (documents ``docs`` of unit ``pos``) back to back, each
+        text's count of them, and the indices of the texts the tokenizer failed on (left out
+        of both).
 
         One call for all normally; one document at a time when the batch fails (to find which)
         or while traced (``set_trace``: the trace names each document before it is tokenized,
@@ -253,11 +250,16 @@ class Stream:
         """
         if self._trace is None:
             try:
-                return self.tokenizer.encode_batch(texts), []
+                concat = getattr(self.tokenizer, "encode_concat", None)
+                if concat is not None:
+                    return (*concat(texts), [])
+                parts = self.tokenizer.encode_batch(texts)
+                return (np.concatenate(parts) if parts else np.zeros(0, np.int32),
+                        np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), [])
             except BaseException as e:  # noqa: BLE001 -- tokenizers panic with BaseException
                 if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
                     raise
-        out: list[np.ndarray | None] = []
+        out: list[np.ndarray] = []
         failed = []
         for i, (t, d) in enumerate(zip(texts, docs.tolist(), strict=True)):
             if self._trace is not None:
@@ -269,8 +271,8 @@ class Stream:
                     raise
                 self._tokenizer_error = f"{type(e).__name__}: {e}"
                 failed.append(i)
-                out.append(None)
-        return out, failed
+        return (np.concatenate(out) if out else np.zeros(0, np.int32),
+                np.fromiter(map(len, out), dtype=np.int64, count=len(out)), failed)
 
     def set_trace(self, trace) -> None:
         """Calls ``trace(where)`` before tokenizing each document (None: stop); ``where`` is

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
 from typing import Protocol
 
@@ -26,7 +27,12 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|e
 
 
 class Tokenizer(Protocol):
-    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``."""
+    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``.
+
+    The built-in tokenizers also have ``encode_concat(texts) -> (ids, counts)``: every
+    document's ids back to back (int32) and each one's count (int64), with no array per
+    document. The stream calls it where a tokenizer has it, else ``encode_batch``.
+    """
 
     name: str
     eos_id: int
@@ -35,6 +41,9 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Encodes documents as ordinary text; one int32 array per document."""
         ...
+
+
+_NO_SPECIALS: frozenset[str] = frozenset()
 
 
 class TiktokenTokenizer:
@@ -49,8 +58,23 @@ class TiktokenTokenizer:
         # a plain loop beats encode_ordinary_batch's per-call thread pool (FACTS.md).
         enc = self._enc.encode_to_numpy
         # uint32 ids are < 2**31 for every vocabulary here: the int32 view is free.
-        return [enc(t, allowed_special=frozenset(), disallowed_special=()).view(np.int32)
+        return [enc(t, allowed_special=_NO_SPECIALS, disallowed_special=()).view(np.int32)
                 for t in texts]
+
+    def encode_concat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        # The call encode_to_numpy makes, without its Python around each document (argument
+        # checks, an array per document): 7.7 against 10.2 us a document on tiny documents.
+        encode = getattr(getattr(self._enc, "_core_bpe", None), "encode_to_tiktoken_buffer",
+                         None)
+        if encode is None:  # another tiktoken: the public call
+            parts = self.encode_batch(texts)
+            return (np.concatenate(parts) if parts else np.zeros(0, np.int32),
+                    np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+        bufs = [encode(t, _NO_SPECIALS) for t in texts]
+        # A buffer's len() counts bytes here: nbytes / 4 is its ids.
+        lengths = np.fromiter((memoryview(b).nbytes for b in bufs), dtype=np.int64,
+                              count=len(bufs)) >> 2
+        return np.frombuffer(b"".join(bufs), dtype=np.int32), lengths
 
 
 class HFTokenizer:
@@ -74,6 +98,12 @@ class HFTokenizer:
         # encode_batch_fast skips offsets: same ids, ~1.6x faster here (benchmarks/).
         out = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in out]
+
+    def encode_concat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        return (np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
+                            count=int(lengths.sum())), lengths)
 
 
 def _gpt2() -> TiktokenTokenizer:

@@ -515,6 +515,20 @@ def test_tokenizer_files_give_the_ids_of_gpt2(which, hf_tokenizer_json, tiktoken
         assert EOS not in a.tolist()
 
 
+@pytest.mark.parametrize("which", ["gpt2", "cl100k", "hf", "tiktoken_file"])
+def test_encode_concat_is_encode_batch_back_to_back(which, hf_tokenizer_json, tiktoken_file):
+    tok = load_tokenizer({"hf": hf_tokenizer_json, "tiktoken_file": tiktoken_file}.get(which,
+                                                                                       which))
+    texts = [*ENGLISH, "", " ", "\n\n", "naïve café ünïcödé 日本語 🙂", "x" * 3000, ""]
+    ids, counts = tok.encode_concat(texts)
+    parts = tok.encode_batch(texts)
+    assert ids.dtype == np.int32 and counts.dtype == np.int64
+    assert counts.tolist() == [len(p) for p in parts]
+    np.testing.assert_array_equal(ids, np.concatenate(parts))
+    empty_ids, empty_counts = tok.encode_concat([])
+    assert len(empty_ids) == 0 and len(empty_counts) == 0
+
+
 def test_stream_with_a_tokenizer_file_gives_the_rows_of_gpt2(tmp_path, hf_tokenizer_json,
                                                              tiktoken_file):
     texts = make_texts(15, 2)
