@@ -134,3 +134,30 @@ def test_chunk_sweep_reports_each_size_with_its_object_store_bound(tmp_path):
     # The bound is per chunk: twice the rows, twice the bytes (prefetch 2 fits either way).
     assert out["runs"]["8"]["object_store_bytes_bound"] == \
         2 * out["runs"]["4"]["object_store_bytes_bound"]
+
+
+def test_machine_profile_puts_each_perf_sample_in_its_part():
+    from benchmarks.machine_profile import split_samples
+
+    lines = [  # `perf script -F pid,ip,sym,dso`, as perf 6.1 prints it
+        " 101  7f01 fancy_regex::vm::run_with (/venv/tiktoken/_tiktoken.cpython-311-x86_64-linux-gnu.so)",
+        " 101  7f02 __memcmp_evex_movbe (/usr/lib/x86_64-linux-gnu/libc.so.6)",
+        " 101  7f03 __memmove_avx512_unaligned_erms (/usr/lib/x86_64-linux-gnu/libc.so.6)",
+        " 102  7f04 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)",
+        " 102  ffff exc_page_fault ([kernel.kallsyms])",
+        " 102  7f05 INT_add_X86_V3 (/venv/numpy/_core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so)",
+        " 102  7f06 [unknown] (/venv/ray/_raylet.so)",
+        " 102  7f07 [unknown] (/venv/pyarrow/libarrow.so.2600)",
+        " 102  7f08 [unknown] ([unknown])",
+        " 200  7f09 memcpy (/usr/lib/x86_64-linux-gnu/libc.so.6)",
+        " 300  7f0a [unknown] (/venv/ray/core/src/ray/raylet/raylet)",
+        " 400  7f0b __memcmp_evex_movbe (/usr/lib/x86_64-linux-gnu/libc.so.6)",
+        "   0  ffff pv_native_safe_halt ([kernel.kallsyms])",
+        "   0  ffff pv_native_safe_halt ([kernel.kallsyms])",
+        "not a sample line",
+    ]
+    roles = {101: "worker", 102: "worker", 200: "host", 300: "ray_system"}
+    assert split_samples(lines, roles) == {
+        "tokenizer": 2, "worker_libc": 1, "worker_python": 1, "worker_kernel": 1,
+        "worker_numpy": 1, "worker_ray": 1, "worker_arrow": 1, "worker_other": 1, "host": 1,
+        "ray_system": 1, "other_programs": 1, "idle": 2}
