@@ -23,8 +23,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check ingest actors jax_side benchmarks tests
 
 # The benchmark harness: tokenizer limit, `ingest run`, grain and Ray Data on the demo corpus.
-# Writes benchmarks/results.json; `make bench ARGS=--quick` is the one-minute smoke test.
+# Writes benchmarks/results.json (and results-workers.png, with matplotlib from the `bench`
+# extra); `make bench ARGS=--quick` is the one-minute smoke test.
 bench: $(STAMP)
+	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]' \
+		|| echo "make bench: matplotlib did not install; the bench runs without its plot"
 	$(BIN)/ingest bench $(ARGS)
 
 clean:

@@ -13,6 +13,8 @@ One invocation measures, on one corpus with one tokenizer, ``seq_len`` and batch
     5 step         ``ingest run --step-time S`` with S = 1.25 x our steady time per batch (over
                    the run's later part, see ``HostFeed.stats``): the stall;
                    Ray's object store polled (``ray memory --stats-only``'s figure)
+    6 scaling      ``ingest run --workers W`` for W = 1, 2, 4, ... up to the CPUs (not with
+                   --quick), and a plot of tokens/s against W (``benchmarks.scaling``)
 
 Every figure and the ratios (ours / (CPUs x single-core limit), ours / best peer) go into a
 JSON file, each ratio twice: with tokens/s from the first batch (the issue's measure) and with
@@ -32,6 +34,7 @@ import sys
 import tempfile
 from typing import Any
 
+from benchmarks import scaling
 from benchmarks.corpus import BenchSpec, make_spec
 from benchmarks.measure import RunResult, run_measured
 
@@ -50,7 +53,7 @@ PEER_TITLES = {"grain": "grain, 1 process", "grain_mp": "grain mp_prefetch({cpus
                "ray_data": "Ray Data ({cpus} CPUs)"}
 # The sections every results file has (the smoke test checks them).
 SECTIONS = ("machine", "versions", "setting", "limit", "ours", "peers", "host_assembly",
-            "training_step", "ratios")
+            "training_step", "scaling", "ratios")
 
 
 def _log(msg: str) -> None:
@@ -209,10 +212,22 @@ class _Runner:
                                     f"limit {key}")
         return out
 
-    def ours(self) -> dict[str, Any]:
-        _log(f"ours: ingest run, ray backend, {self.spec.cpus} workers")
-        out = self.program("jax_side.run", self.run_args, "ingest run")
+    def ours(self, workers: int | None = None) -> dict[str, Any]:
+        _log(f"ours: ingest run, ray backend, {workers or self.spec.cpus} workers")
+        extra = ["--workers", str(workers)] if workers else []
+        out = self.program("jax_side.run", [*self.run_args, *extra], "ingest run")
         return _ours_section(out, self.spec)
+
+    def scaling(self, ours: dict[str, Any], limit: dict[str, Any]) -> dict[str, Any]:
+        """``ingest run`` at each worker count of the sweep (``ours`` is the one at CPUs)."""
+        runs = []
+        for w in scaling.sweep_points(self.spec.cpus):
+            sec = ours if w == self.spec.cpus else self.ours(workers=w)
+            keep = ("error",) if "error" in sec else ("tokens_per_s", "steady_tokens_per_s",
+                                                      "startup_s")
+            runs.append({"workers": w, **{k: sec[k] for k in keep if k in sec}})
+        return {"cpus": self.spec.cpus, "runs": runs,
+                "single_core_limit_tokens_per_s": limit.get("tokens_per_s")}
 
     def training_step(self, per_batch: float | None) -> dict[str, Any]:
         if not per_batch:
@@ -270,6 +285,8 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None,
         results["ours"] = runner.ours()
         per_batch = results["ours"].get("steady_seconds_per_batch")
         results["training_step"] = runner.training_step(per_batch)
+        results["scaling"] = ({"skipped": "--quick runs no worker sweep"} if quick else
+                              runner.scaling(results["ours"], results["limit"]["tokenizer"]))
         results["peers"] = runner.peers()
         results["host_assembly"] = runner.host_assembly(per_batch)
     results["machine"]["load_average_end"] = os.getloadavg()
@@ -424,6 +441,14 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"training step of {st['step_time_s'] * 1e3:.2f} ms ({st['step_time_factor']}"
                      f" x our steady {st['pipeline_seconds_per_batch'] * 1e3:.2f} ms per batch): stall "
                      f"{100 * st['stall_fraction']:.1f}%")
+    sc = r.get("scaling", {})
+    if "runs" in sc:
+        lines.append("tokens/s by workers: " + ", ".join(
+            f"{x['workers']}: error" if "error" in x else
+            f"{x['workers']}: {_tok(x.get('tokens_per_s'))} (steady "
+            f"{_tok(x.get('steady_tokens_per_s'))})" for x in sc["runs"])
+            + (f"; plot {os.path.relpath(sc['plot'], ROOT)}" if sc.get("plot") else
+               f"; {sc['plot_skipped']}" if sc.get("plot_skipped") else ""))
     ra = r["ratios"]
     if "ours_over_cpus_x_limit" in ra:
         lines.append(f"ours / ({cpus} x single-core limit) = {ra['ours_over_cpus_x_limit']:.2f} "
@@ -459,6 +484,12 @@ def bench_command(args) -> int:
     out = args.out or os.path.join(HERE, "results-quick.json" if args.quick else "results.json")
     results = run_bench(args.config, quick=args.quick, steps=args.steps, command=" ".join(parts))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    sc = results["scaling"]
+    if "runs" in sc:
+        png = os.path.splitext(out)[0] + "-workers.png"
+        why = scaling.plot(sc, png, title=f"ingest run, {results['setting']['config']}, "
+                                          f"{sc['cpus']} CPUs")
+        sc.update({"plot_skipped": why} if why else {"plot": png})
     with open(out, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1, sort_keys=True)
         f.write("\n")

@@ -161,3 +161,21 @@ def test_machine_profile_puts_each_perf_sample_in_its_part():
         "tokenizer": 2, "worker_libc": 1, "worker_python": 1, "worker_kernel": 1,
         "worker_numpy": 1, "worker_ray": 1, "worker_arrow": 1, "worker_other": 1, "host": 1,
         "ray_system": 1, "other_programs": 1, "idle": 2}
+
+
+def test_scaling_sweeps_powers_of_two_up_to_the_cpus_and_plots_them(tmp_path):
+    from benchmarks.scaling import plot, sweep_points
+
+    assert sweep_points(1) == [1]
+    assert sweep_points(2) == [1, 2]
+    assert sweep_points(6) == [1, 2, 4, 6]
+    assert sweep_points(16) == [1, 2, 4, 8, 16]
+    pytest.importorskip("matplotlib")  # the `bench` extra; CI installs only `test`
+    runs = [{"workers": 1, "tokens_per_s": 7e6, "steady_tokens_per_s": 6.5e6},
+            {"workers": 2, "error": "timed out"}]
+    path = tmp_path / "w.png"
+    assert plot({"cpus": 2, "runs": runs, "single_core_limit_tokens_per_s": 1e7},
+                str(path)) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot({"cpus": 2, "runs": runs[1:]}, str(tmp_path / "x.png")) == \
+        "no run of the sweep succeeded"
