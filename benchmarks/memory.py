@@ -25,7 +25,7 @@ import time
 import psutil
 import yaml
 
-from benchmarks.measure import TreeSampler, _group, _kill_tree, _shmem_bytes
+from benchmarks.measure import TreeSampler, _group, _kill_tree, _own_bytes
 
 
 def _config_file(config: str | None, epochs: int, tmp: str) -> str:
@@ -56,7 +56,9 @@ def _sample(root: psutil.Process) -> dict[str, int]:
             out["host"] = rss
         elif group == "workers":
             out["workers_max"] = max(out["workers_max"], rss)
-            out["workers_max_own"] = max(out["workers_max_own"], rss - _shmem_bytes(proc.pid))
+            mine = _own_bytes(proc.pid)
+            if mine is not None:
+                out["workers_max_own"] = max(out["workers_max_own"], mine)
             out["workers_sum"] += rss
     return out
 
