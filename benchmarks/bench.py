@@ -241,7 +241,8 @@ class _Runner:
         out = self.program("jax_side.run", [*self.run_args, "--step-time", f"{step_time:.6f}"],
                            "ingest run --step-time", timeout_s=deadline, poll_object_store=True)
         out = {k: out[k] for k in ("error", "command", "steps", "tokens", "tokens_per_s",
-                                   "stall_fraction", "wait_s", "wait_max_s", "startup_s",
+                                   "stall_fraction", "steady_stall_fraction",
+                                   "steady_from_step", "wait_s", "wait_max_s", "startup_s",
                                    "wall_s", "memory") if k in out}
         out.update(step_time_s=step_time, step_time_factor=STEP_TIME_FACTOR,
                    pipeline_seconds_per_batch=per_batch)
@@ -440,7 +441,10 @@ def format_table(r: dict[str, Any]) -> str:
     else:
         lines.append(f"training step of {st['step_time_s'] * 1e3:.2f} ms ({st['step_time_factor']}"
                      f" x our steady {st['pipeline_seconds_per_batch'] * 1e3:.2f} ms per batch): stall "
-                     f"{100 * st['stall_fraction']:.1f}%")
+                     f"{100 * st['stall_fraction']:.1f}%"
+                     + (f" (from step {st['steady_from_step']}: "
+                        f"{100 * st['steady_stall_fraction']:.2f}%)"
+                        if st.get("steady_from_step") else ""))
     sc = r.get("scaling", {})
     if "runs" in sc:
         lines.append("tokens/s by workers: " + ", ".join(
