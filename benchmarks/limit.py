@@ -25,14 +25,19 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.corpus import BenchSpec, load_texts
+# Set before numpy or any tokenizer library is imported (they read these once, at import or
+# first use): set later, numpy's OpenBLAS had started its threads, which then spun beside the
+# measured core (1.8 % of a produce run's samples under perf).
+SINGLE_THREAD_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1",
+                     "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+if __name__ == "__main__":
+    os.environ.update(SINGLE_THREAD_ENV)
+
+from benchmarks.corpus import BenchSpec, load_texts  # noqa: E402
 
 __all__ = ["main"]
 
 HF_BATCH_DOCS = 64
-# Set before any tokenizer library is imported (they read these once, at import or first use).
-SINGLE_THREAD_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1",
-                     "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def _pin_one_cpu() -> int:
