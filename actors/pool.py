@@ -75,15 +75,16 @@ class WorkerPool:
         self._next_name = 0
         self._poison_marker: str | None = None
         self.poisoned = 0  # documents located as killing workers and skipped
-        # Workers take one CPU each. Those the cluster has no free CPU for start as pending,
-        # like a resize's (a node may join; they take streams once they run): the streams
-        # open on the workers that can run now instead of waiting for all of them.
-        start_now = min(n, max(1, int(ray.available_resources().get("CPU", 0))))
+        # Workers take one CPU each. Those beyond the cluster's CPUs start as pending, like a
+        # resize's (a node may join; they take streams once they run): the streams open on
+        # the workers that can run instead of waiting for all of them. The cluster's total,
+        # not its free CPUs: those lag behind actors that were just killed.
+        start_now = min(n, max(1, int(ray.cluster_resources().get("CPU", 0))))
         if start_now < n:
-            log.warning("workers=%d, but the Ray cluster has %d free CPU(s) and each worker "
-                        "takes one: starting with %d, the other %d wait for a CPU (a node "
-                        "joining, another job ending); lower workers, or add CPUs (`ray start "
-                        "--num-cpus`, more nodes)", n, start_now, start_now, n - start_now)
+            log.warning("workers=%d, but the Ray cluster has %d CPU(s) and each worker takes "
+                        "one: starting with %d, the other %d wait for a CPU (a node joining); "
+                        "lower workers, or add CPUs (`ray start --num-cpus`, more nodes)",
+                        n, start_now, start_now, n - start_now)
         self._workers = [self._spawn() for _ in range(n)]
         self._pending: list = []
         if start_now < n:

@@ -62,7 +62,7 @@ def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_clu
     assert grown >= 1, "the host waited on one worker, so the pool should have grown"
 
 
-def test_workers_beyond_the_free_cpus_start_pending_and_the_batches_are_unchanged(
+def test_workers_beyond_the_cluster_cpus_start_pending_and_the_batches_are_unchanged(
         ray_cluster, tmp_path, caplog):
     import ray
 
