@@ -163,14 +163,19 @@ def test_machine_profile_puts_each_perf_sample_in_its_part():
         "ray_system": 1, "other_programs": 1, "idle": 2}
 
 
-def test_scaling_sweeps_powers_of_two_up_to_the_cpus_and_plots_them(tmp_path):
-    from benchmarks.scaling import plot, sweep_points
+def test_scaling_sweeps_powers_of_two_up_to_the_cpus():
+    from benchmarks.scaling import sweep_points
 
     assert sweep_points(1) == [1]
     assert sweep_points(2) == [1, 2]
     assert sweep_points(6) == [1, 2, 4, 6]
     assert sweep_points(16) == [1, 2, 4, 8, 16]
-    pytest.importorskip("matplotlib")  # the `bench` extra; CI installs only `test`
+
+
+def test_scaling_plot_is_a_png_and_says_why_when_nothing_ran(tmp_path):
+    from benchmarks.scaling import plot
+
+    pytest.importorskip("matplotlib")  # the `bench` extra; `make test` installs only `test`
     runs = [{"workers": 1, "tokens_per_s": 7e6, "steady_tokens_per_s": 6.5e6},
             {"workers": 2, "error": "timed out"}]
     path = tmp_path / "w.png"
