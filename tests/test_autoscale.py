@@ -34,6 +34,18 @@ def test_policy_waits_one_window_after_a_change():
 
 @pytest.mark.ray
 @pytest.mark.slow
+def _sharding():
+    return batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
+
+
+def digest(feed) -> str:
+    """The digest of every batch ``feed`` gives."""
+    d = BatchDigest()
+    for batch in feed:
+        d.update({k: np.asarray(v) for k, v in batch.items()})
+    return d.hexdigest()
+
+
 def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_cluster,
                                                                          tmp_path):
     # Enough data for several autoscale windows after the first chunk, however fast one worker
@@ -45,14 +57,7 @@ def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_clu
                  global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10, chunk_rows=2,
                  workers=1, autoscale=True, min_workers=1, max_workers=8,
                  autoscale_window_s=0.05)
-    sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
-
-    def digest(feed):
-        d = BatchDigest()
-        for batch in feed:
-            d.update({k: np.asarray(v) for k, v in batch.items()})
-        return d.hexdigest()
-
+    sharding = _sharding()
     with HostFeed(cfg, sharding=sharding, backend="local") as feed:
         expected = digest(feed)
     with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
@@ -73,14 +78,7 @@ def test_workers_beyond_the_cluster_cpus_start_pending_and_the_batches_are_uncha
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
                  global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10, chunk_rows=2,
                  workers=asked)
-    sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
-
-    def digest(feed):
-        d = BatchDigest()
-        for batch in feed:
-            d.update({k: np.asarray(v) for k, v in batch.items()})
-        return d.hexdigest()
-
+    sharding = _sharding()
     with HostFeed(cfg, sharding=sharding, backend="local") as feed:
         expected = digest(feed)
     with caplog.at_level("WARNING", logger="ingest.pool"):
