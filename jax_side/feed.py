@@ -222,7 +222,7 @@ class _Step:
 
 
 _END = object()
-_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak")
+_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak", "num_pending")
 _POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
@@ -754,6 +754,8 @@ class HostFeed:
             **self._steady(),
             # The pool starts at most one worker per owned stream.
             "workers": min(self._workers, len(self._rows.streams)) if self.backend == "ray" else 0,
+            # Of those, workers not started yet: the cluster has no CPU for them (yet).
+            "pending_workers": self._pool_stat("num_pending") if self.backend == "ray" else 0,
             "backend": self.backend,
             "restarts": self._pool_stat("restarts"),
             "object_store_bytes_bound": self._pool_stat("bytes_bound"),

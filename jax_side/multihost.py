@@ -233,7 +233,8 @@ def leave(code: int) -> None:
 
 _SUMMED = ("tokens", "padding_rows", "padding_tokens", "dropped_rows", "dropped_tokens",
            "documents", "truncated_documents",
-           "truncated_tokens", "workers", "restarts", "streams", "workers_killed", "tokens_per_s",
+           "truncated_tokens", "workers", "pending_workers", "restarts", "streams",
+           "workers_killed", "tokens_per_s",
            "steady_tokens_per_s", "object_store_bytes_bound", "object_store_bytes_peak")
 _PER_KEY = ("rows_per_s_by_worker", "rows_per_s_by_stream")
 _WORST = ("stall_fraction", "steady_stall_fraction", "startup_s", "wait_s", "wait_max_s")

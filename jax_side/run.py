@@ -133,7 +133,9 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
         f"startup {s['startup_s']:.2f} s  stall {100 * s['stall_fraction']:.1f}%"
         + (f"  (from step {s['steady_from_step']}: tokens/s {s['steady_tokens_per_s']:,.0f}, "
            f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else ""),
-        f"backend {s['backend']}  workers {s['workers']}  restarts {s['restarts']}  "
+        f"backend {s['backend']}  workers {s['workers']}"
+        + (f" ({s['pending_workers']} pending: no CPU for them)" if s.get("pending_workers")
+           else "") + f"  restarts {s['restarts']}  "
         f"streams {s['streams']}  "
         f"padding rows {s['padding_rows']}  padding tokens {s['padding_tokens']:,}",
         f"documents {s['documents']:,}  truncated documents {s['truncated_documents']} "

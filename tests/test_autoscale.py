@@ -87,8 +87,10 @@ def test_workers_beyond_the_cluster_cpus_start_pending_and_the_batches_are_uncha
             got = digest(feed)
             pool = feed._source
             pending = pool.num_pending
+            stats = feed.stats()
     assert got == expected
     assert pending >= 2, f"{asked} workers on {asked - 2} CPUs: at least 2 should wait"
+    assert stats["workers"] == asked and stats["pending_workers"] == pending
     assert pool.num_pending == 0 and pool.num_workers == 0, "close() must end pending workers too"
     assert any(f"workers={asked}, but the Ray cluster has" in r.getMessage()
                for r in caplog.records)
