@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark the feed against the tokenizer's limit, grain "
                        "and Ray Data", description="Benchmark: the single-core tokenizer limit, "
                        "`ingest run`, grain and Ray Data on one corpus (default: the built-in "
-                       "demo), a table on stderr and every figure in a JSON file. Needs the "
-                       "source checkout (benchmarks/).")
+                       "demo), then `ingest run` at 1, 2, 4 ... workers (not with --quick); a table "
+                       "on stderr, every figure in a JSON file, and a plot of tokens/s against "
+                       "workers beside it (with matplotlib). Needs the source checkout "
+                       "(benchmarks/).")
     b.add_argument("config", nargs="?", help="YAML config whose sources, tokenizer and batch "
                    "shape to use (default: the built-in demo)")
     b.add_argument("--json", action="store_true",
