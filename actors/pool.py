@@ -96,11 +96,8 @@ class WorkerPool:
                     ray.kill(w, no_restart=True)
                 raise TimeoutError(f"none of {n} workers started within {self._timeout:.0f} s: "
                                    f"check the cluster (`ray status`) and the worker logs")
-            started = {r.hex() for r in ready}
-            self._pending = [w for w in self._workers
-                             if self._where[id(w)].hex() not in started]
-            self._workers = [w for w in self._workers
-                             if self._where[id(w)].hex() in started]
+            self._pending = [w for w in self._workers if self._where[id(w)] not in ready]
+            self._workers = [w for w in self._workers if self._where[id(w)] in ready]
             start_now = len(self._workers)
         # Groups of streams_per_call consecutive streams, each group on one worker: one call
         # makes the next chunk of every stream of a group (fewer calls and objects). At most

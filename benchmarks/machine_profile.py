@@ -42,6 +42,7 @@ import psutil
 
 from benchmarks.bench import ROOT, _child_env
 from benchmarks.corpus import make_spec
+from benchmarks.measure import _group
 
 __all__ = ["classify", "main", "split_samples"]
 
@@ -90,11 +91,11 @@ def _roles(run_pid: int, roles: dict[int, str]) -> None:
         return
     for k in kids:
         try:
-            cmd = " ".join(k.cmdline())
+            group = _group(k.cmdline(), is_root=False)  # the memory sampler's groups
         except psutil.Error:
             continue
         if roles.get(k.pid) != "worker":  # a worker that exits shows another command line
-            roles[k.pid] = "worker" if cmd.startswith("ray::StreamWorker") else "ray_system"
+            roles[k.pid] = "worker" if group == "workers" else "ray_system"
 
 
 def main(argv: list[str] | None = None) -> int:

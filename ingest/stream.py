@@ -28,7 +28,7 @@ from ingest.pack import assign_bins, fill_bins
 from ingest.plan import UnitPlan, deal_units, philox
 from ingest.shift import FIELDS, concat_fields, shift_rows
 from ingest.sources import BAD_REASONS, decode_texts, numpy_view, read_texts
-from ingest.tokenize import Tokenizer, load_tokenizer
+from ingest.tokenize import Tokenizer, concat_ids, load_tokenizer
 
 __all__ = ["Chunk", "Stream", "StreamState", "open_stream"]
 
@@ -253,9 +253,7 @@ class Stream:
                 concat = getattr(self.tokenizer, "encode_concat", None)
                 if concat is not None:
                     return (*concat(texts), [])
-                parts = self.tokenizer.encode_batch(texts)
-                return (np.concatenate(parts) if parts else np.zeros(0, np.int32),
-                        np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), [])
+                return (*concat_ids(self.tokenizer.encode_batch(texts)), [])
             except BaseException as e:  # noqa: BLE001 -- tokenizers panic with BaseException
                 if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
                     raise
@@ -271,8 +269,7 @@ class Stream:
                     raise
                 self._tokenizer_error = f"{type(e).__name__}: {e}"
                 failed.append(i)
-        return (np.concatenate(out) if out else np.zeros(0, np.int32),
-                np.fromiter(map(len, out), dtype=np.int64, count=len(out)), failed)
+        return (*concat_ids(out), failed)
 
     def set_trace(self, trace) -> None:
         """Calls ``trace(where)`` before tokenizing each document (None: stop); ``where`` is

@@ -20,7 +20,7 @@ import numpy as np
 
 from ingest.cache import cached_by_files
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "concat_ids", "load_tokenizer"]
 
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
 _GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -48,6 +48,12 @@ _NO_SPECIALS: frozenset[str] = frozenset()
 _NBYTES = operator.attrgetter("nbytes")
 
 
+def concat_ids(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document id arrays as ``encode_concat`` gives them: back to back, and counts."""
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int32),
+            np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+
+
 class TiktokenTokenizer:
     def __init__(self, name: str, encoding, eos_id: int):
         self.name = name
@@ -69,9 +75,7 @@ class TiktokenTokenizer:
         encode = getattr(getattr(self._enc, "_core_bpe", None), "encode_to_tiktoken_buffer",
                          None)
         if encode is None:  # another tiktoken: the public call
-            parts = self.encode_batch(texts)
-            return (np.concatenate(parts) if parts else np.zeros(0, np.int32),
-                    np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+            return concat_ids(self.encode_batch(texts))
         bufs = [encode(t, _NO_SPECIALS) for t in texts]
         # Each buffer's bytes / 4 is its ids (it has no len(); map and attrgetter run in C).
         lengths = np.fromiter(map(_NBYTES, map(memoryview, bufs)), dtype=np.int64,
