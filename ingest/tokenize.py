@@ -45,6 +45,7 @@ class Tokenizer(Protocol):
 
 
 _NO_SPECIALS: frozenset[str] = frozenset()
+_JOIN_CHARS = 1 << 22  # characters of text a tiktoken call takes at most when joined
 _NBYTES = operator.attrgetter("nbytes")
 
 
@@ -60,6 +61,15 @@ class TiktokenTokenizer:
         self._enc = encoding
         self.eos_id = eos_id
         self.vocab_size = encoding.n_vocab
+        # The special token whose id is the end-of-document one: encode_concat joins a call's
+        # documents with it. None: no such token, or one that begins as it ends (a text's end
+        # and the token after it could then match it); one call per document.
+        sep = next((t for t in encoding.special_tokens_set
+                    if encoding.encode_single_token(t) == eos_id), None)
+        if sep and any(sep[:k] == sep[-k:] for k in range(1, len(sep))):
+            sep = None
+        self._sep = sep
+        self._sep_allowed = frozenset((self._sep,)) if self._sep else _NO_SPECIALS
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_to_numpy with no allowed specials == encode_ordinary, returned as one buffer;
@@ -76,11 +86,45 @@ class TiktokenTokenizer:
                          None)
         if encode is None:  # another tiktoken: the public call
             return concat_ids(self.encode_batch(texts))
+        if self._sep is not None and len(texts) > 1:
+            joined = self._encode_joined(encode, texts)
+            if joined is not None:
+                return joined
         bufs = [encode(t, _NO_SPECIALS) for t in texts]
         # Each buffer's bytes / 4 is its ids (it has no len(); map and attrgetter run in C).
         lengths = np.fromiter(map(_NBYTES, map(memoryview, bufs)), dtype=np.int64,
                               count=len(bufs)) >> 2
         return np.frombuffer(b"".join(bufs), dtype=np.int32), lengths
+
+    def _encode_joined(self, encode, texts: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
+        """One tokenizer call for many documents: their text joined by the end-of-document
+        token, allowed as special. tiktoken splits its input at allowed special tokens first
+        and encodes the text between two on its own (regex pieces and merges never cross
+        one), so this gives each document's ordinary ids with one end-of-document id between
+        two: the same ids as a call per document, without the cost of a call (a tenth of
+        tiktoken's time on documents of 150 bytes). None where a text holds the token's
+        string itself (there it is text; one call per document keeps it so)."""
+        bounds = [0, len(texts)]
+        if sum(map(len, texts)) > _JOIN_CHARS:  # groups of about that: not all text twice
+            cum = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
+            cuts = np.searchsorted(cum, np.arange(_JOIN_CHARS, int(cum[-1]), _JOIN_CHARS))
+            bounds = sorted({0, len(texts), *cuts.tolist()})
+        sep, eos = self._sep, self.eos_id
+        ids, counts = [], []
+        for a, b in itertools.pairwise(bounds):
+            # The separator does not begin as it ends, so no match of it can start in a text
+            # and end in a separator: b - a - 1 of them, else a text holds its string (rare:
+            # checked on the ids, not by a search of every text).
+            out = np.frombuffer(encode(sep.join(texts[a:b]), self._sep_allowed), np.int32)
+            is_sep = out == eos
+            ends = np.flatnonzero(is_sep)
+            if len(ends) != b - a - 1:
+                return None
+            ids.append(out[~is_sep])
+            counts.append(np.diff(ends, prepend=-1, append=len(out)) - 1)
+        if len(ids) == 1:
+            return ids[0], counts[0]
+        return np.concatenate(ids), np.concatenate(counts)
 
 
 class HFTokenizer:

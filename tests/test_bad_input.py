@@ -529,6 +529,55 @@ def test_encode_concat_is_encode_batch_back_to_back(which, hf_tokenizer_json, ti
     assert len(empty_ids) == 0 and len(empty_counts) == 0
 
 
+# Documents whose ends meet in ways that would merge or split pieces if the text ran on:
+# spaces before and after a boundary (GPT-2's \s+(?!\S) looks ahead), contractions, digits,
+# punctuation, a partial special token at an end, other special tokens' strings.
+_BOUNDARIES = ["end with spaces   ", "   start with spaces", "don", "'t", "123", "456", "!!",
+               "?!", "\n\n", "\n", "<|endof", "text|>", "<|fim_prefix|> and <|endofprompt|>",
+               "x", " ", "ü", "日本", "🙂 ", " 🙂"]
+
+
+@pytest.mark.parametrize("which", ["gpt2", "cl100k", "tiktoken_file"])
+def test_tiktoken_encode_concat_joins_documents_and_falls_back(which, tiktoken_file,
+                                                               monkeypatch):
+    """One call for a unit's documents, joined by the end-of-document token, gives the ids
+    of a call per document; a document holding the token's string (text there) and groups
+    of bounded size do too."""
+    tok = load_tokenizer(tiktoken_file if which == "tiktoken_file" else which)
+    texts = [*_BOUNDARIES, *ENGLISH[:-1], *reversed(_BOUNDARIES)]
+    calls = []
+    real = tok._enc._core_bpe
+
+    class Counting:
+        def encode_to_tiktoken_buffer(self, text, allowed):
+            calls.append(text)
+            return real.encode_to_tiktoken_buffer(text, allowed)
+
+    monkeypatch.setattr(tok._enc, "_core_bpe", Counting())
+
+    def check(texts):
+        calls.clear()
+        ids, counts = tok.encode_concat(texts)
+        n = len(calls)
+        parts = tok.encode_batch(texts)
+        assert counts.tolist() == [len(p) for p in parts]
+        np.testing.assert_array_equal(ids, np.concatenate(parts))
+        del calls[n:]
+        return n
+
+    assert check(texts) == 1
+    # A literal "<|endoftext|>" in one document: found in the joined call's ids, then a call
+    # per document, where it is text.
+    assert check([*texts, "before <|endoftext|> after"]) == 1 + len(texts) + 1
+    # Groups of at most about _JOIN_CHARS characters, cut at documents.
+    monkeypatch.setattr("ingest.tokenize._JOIN_CHARS", 40)
+    n = check(texts)
+    sep = "<|endoftext|>"
+    text_sizes = [len(c) - len(sep) * c.count(sep) for c in calls]
+    assert 1 < n < len(texts) and sum(text_sizes) == sum(map(len, texts))
+    assert max(text_sizes) <= 40 + max(map(len, texts))
+
+
 def test_stream_with_a_tokenizer_file_gives_the_rows_of_gpt2(tmp_path, hf_tokenizer_json,
                                                              tiktoken_file):
     texts = make_texts(15, 2)
