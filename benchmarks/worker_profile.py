@@ -32,8 +32,8 @@ __all__ = ["main", "split_worker_trace"]
 
 # Frames of the produce path, as py-spy names them (Class.method or function).
 PARTS = {
-    "tokenize": "TiktokenTokenizer.encode_concat",
-    "tokenize_hf": "HFTokenizer.encode_concat",
+    "tokenize": "TiktokenTokenizer.encode_docs",
+    "tokenize_hf": "HFTokenizer.encode_docs",
     "parquet_read": "read_texts",
     "utf8_decode": "decode_texts",
     "shift": "shift_rows",

@@ -28,7 +28,7 @@ from ingest.pack import assign_bins, fill_bins
 from ingest.plan import UnitPlan, deal_units, philox
 from ingest.shift import FIELDS, concat_fields, shift_rows
 from ingest.sources import BAD_REASONS, decode_texts, numpy_view, read_texts
-from ingest.tokenize import Tokenizer, concat_ids, load_tokenizer
+from ingest.tokenize import Tokenizer, load_tokenizer, with_eos
 
 __all__ = ["Chunk", "Stream", "StreamState", "open_stream"]
 
@@ -207,56 +207,54 @@ class Stream:
             if (e, p) == (epoch, pos) and d >= first_doc:
                 bad[d - first_doc] = BAD_REASONS.index("worker_crash")
         self._raise_first_bad(bad, info, unit, order)
-        n = len(bad)
-        lengths = np.zeros(n, dtype=np.int64)
+        good_idx = np.flatnonzero(bad == 0)
         if pretokenized:
-            lengths[bad == 0] = numpy_view(
-                pc.list_value_length(arr), nulls_ok=True)[bad == 0] + 1
+            good_arr = arr.take(_int64_array(good_idx))
+            tokens, eos_at = with_eos(numpy_view(pc.list_flatten(good_arr)),
+                                      numpy_view(pc.list_value_length(good_arr)),
+                                      self.tokenizer.eos_id)
         else:
-            good_idx = np.flatnonzero(bad == 0)
-            good = texts if len(good_idx) == n else [texts[i] for i in good_idx.tolist()]
-            ids, counts, failed = self._encode(good, epoch, pos, first_doc + good_idx)
+            good = texts if len(good_idx) == len(bad) else [texts[i] for i in good_idx.tolist()]
+            tokens, eos_at, failed = self._encode(good, epoch, pos, first_doc + good_idx)
             if failed:
                 bad[good_idx[failed]] = BAD_REASONS.index("tokenizer_error")
                 self._raise_first_bad(bad, info, unit, order, detail=self._tokenizer_error)
-            lengths[bad == 0] = counts + 1
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.empty(int(offsets[-1]), dtype=np.int32)
+        # The good documents' tokens (each with its EOS) are back to back; a bad one has none.
+        offsets = np.zeros(len(bad) + 1, dtype=np.int64)
+        offsets[1:][bad == 0] = eos_at + 1
+        np.maximum.accumulate(offsets, out=offsets)
         starts = np.zeros(len(tokens), dtype=bool)
-        good_offsets = offsets[:-1][bad == 0]
-        if pretokenized:
-            good_arr = arr.take(_int64_array(np.flatnonzero(bad == 0)))
-            ids = numpy_view(pc.list_flatten(good_arr))
-        # Every position but each document's last (its EOS) takes the next id in order: one
-        # vectorized scatter instead of a copy per document (tiny documents are common).
-        eos_at = offsets[1:][bad == 0] - 1
-        is_eos = np.zeros(len(tokens), dtype=bool)
-        is_eos[eos_at] = True
-        tokens[~is_eos] = ids
-        tokens[eos_at] = self.tokenizer.eos_id
-        starts[good_offsets] = True
+        starts[offsets[:-1][bad == 0]] = True
         return _UnitTokens(epoch, pos, first_doc, tokens, starts, offsets, bad, info.path)
 
     def _encode(self, texts: list[str], epoch: int, pos: int, docs: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Token ids of ``texts`` (documents ``docs`` of unit ``pos``) back to back, each
-        text's count of them, and the indices of the texts the tokenizer failed on (left out
-        of both).
+        """Token ids of ``texts`` (documents ``docs`` of unit ``pos``), each followed by EOS,
+        back to back; the index of each EOS; and the indices of the texts the tokenizer
+        failed on (left out of both).
 
         One call for all normally; one document at a time when the batch fails (to find which)
         or while traced (``set_trace``: the trace names each document before it is tokenized,
         so a document that kills the process is known afterwards).
         """
+        out = None
         if self._trace is None:
             try:
-                concat = getattr(self.tokenizer, "encode_concat", None)
-                if concat is not None:
-                    return (*concat(texts), [])
-                return (*concat_ids(self.tokenizer.encode_batch(texts)), [])
+                docs_call = getattr(self.tokenizer, "encode_docs", None)
+                if docs_call is not None:
+                    return (*docs_call(texts), [])
+                out, failed = self.tokenizer.encode_batch(texts), []
             except BaseException as e:  # noqa: BLE001 -- tokenizers panic with BaseException
                 if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
                     raise
+        if out is None:
+            out, failed = self._encode_one_by_one(texts, epoch, pos, docs)
+        ids = np.concatenate(out) if out else np.zeros(0, np.int32)
+        counts = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
+        return (*with_eos(ids, counts, self.tokenizer.eos_id), failed)
+
+    def _encode_one_by_one(self, texts: list[str], epoch: int, pos: int, docs: np.ndarray
+                           ) -> tuple[list[np.ndarray], list[int]]:
         out: list[np.ndarray] = []
         failed = []
         for i, (t, d) in enumerate(zip(texts, docs.tolist(), strict=True)):
@@ -269,7 +267,7 @@ class Stream:
                     raise
                 self._tokenizer_error = f"{type(e).__name__}: {e}"
                 failed.append(i)
-        return (*concat_ids(out), failed)
+        return out, failed
 
     def set_trace(self, trace) -> None:
         """Calls ``trace(where)`` before tokenizing each document (None: stop); ``where`` is

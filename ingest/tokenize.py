@@ -20,7 +20,7 @@ import numpy as np
 
 from ingest.cache import cached_by_files
 
-__all__ = ["Tokenizer", "concat_ids", "load_tokenizer"]
+__all__ = ["Tokenizer", "load_tokenizer", "with_eos"]
 
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
 _GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -30,8 +30,9 @@ _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|e
 class Tokenizer(Protocol):
     """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``.
 
-    The built-in tokenizers also have ``encode_concat(texts) -> (ids, counts)``: every
-    document's ids back to back (int32) and each one's count (int64), with no array per
+    The built-in tokenizers also have ``encode_docs(texts) -> (tokens, eos_at)``: every
+    document's ids followed by ``eos_id``, back to back (int32, the layout a unit's tokens
+    have in the stream), and the index of each document's EOS (int64), with no array per
     document. The stream calls it where a tokenizer has it, else ``encode_batch``.
     """
 
@@ -49,10 +50,21 @@ _JOIN_CHARS = 1 << 22  # characters of text a tiktoken call takes at most when j
 _NBYTES = operator.attrgetter("nbytes")
 
 
-def concat_ids(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-document id arrays as ``encode_concat`` gives them: back to back, and counts."""
-    return (np.concatenate(parts) if parts else np.zeros(0, np.int32),
-            np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+def with_eos(ids: np.ndarray, counts: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Documents' ids back to back (``counts`` each) as ``encode_docs`` gives them: each one
+    followed by ``eos_id``, and the index of each EOS."""
+    eos_at = np.cumsum(np.asarray(counts, dtype=np.int64) + 1) - 1
+    tokens = np.full(len(ids) + len(eos_at), eos_id, dtype=np.int32)
+    is_id = np.ones(len(tokens), dtype=bool)
+    is_id[eos_at] = False
+    tokens[is_id] = ids
+    return tokens, eos_at
+
+
+def _docs_of(parts: list[np.ndarray], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``encode_docs``'s layout from an id array per document."""
+    return with_eos(np.concatenate(parts) if parts else np.zeros(0, np.int32),
+                    np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), eos_id)
 
 
 class TiktokenTokenizer:
@@ -61,7 +73,7 @@ class TiktokenTokenizer:
         self._enc = encoding
         self.eos_id = eos_id
         self.vocab_size = encoding.n_vocab
-        # The special token whose id is the end-of-document one: encode_concat joins a call's
+        # The special token whose id is the end-of-document one: encode_docs joins a call's
         # documents with it. None: no such token, or one that begins as it ends (a text's end
         # and the token after it could then match it); one call per document.
         sep = next((t for t in encoding.special_tokens_set
@@ -70,6 +82,7 @@ class TiktokenTokenizer:
             sep = None
         self._sep = sep
         self._sep_allowed = frozenset((self._sep,)) if self._sep else _NO_SPECIALS
+        self._eos_bytes = np.int32(eos_id).tobytes()
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_to_numpy with no allowed specials == encode_ordinary, returned as one buffer;
@@ -79,52 +92,57 @@ class TiktokenTokenizer:
         return [enc(t, allowed_special=_NO_SPECIALS, disallowed_special=()).view(np.int32)
                 for t in texts]
 
-    def encode_concat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        # The call encode_to_numpy makes, without its Python around each document (argument
-        # checks, an array per document): 7.7 against 10.2 us a document on tiny documents.
+    def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encode = getattr(getattr(self._enc, "_core_bpe", None), "encode_to_tiktoken_buffer",
                          None)
         if encode is None:  # another tiktoken: the public call
-            return concat_ids(self.encode_batch(texts))
-        if self._sep is not None and len(texts) > 1:
+            return _docs_of(self.encode_batch(texts), self.eos_id)
+        if self._sep is not None and texts:
             joined = self._encode_joined(encode, texts)
             if joined is not None:
                 return joined
+        # The call encode_to_numpy makes, without its Python around each document (argument
+        # checks, an array per document): 7.7 against 10.2 us a document on tiny documents.
         bufs = [encode(t, _NO_SPECIALS) for t in texts]
         # Each buffer's bytes / 4 is its ids (it has no len(); map and attrgetter run in C).
         lengths = np.fromiter(map(_NBYTES, map(memoryview, bufs)), dtype=np.int64,
                               count=len(bufs)) >> 2
-        return np.frombuffer(b"".join(bufs), dtype=np.int32), lengths
+        bufs.append(b"")  # an EOS after the last document too
+        return (np.frombuffer(self._eos_bytes.join(bufs), dtype=np.int32),
+                np.cumsum(lengths + 1) - 1)
 
     def _encode_joined(self, encode, texts: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
-        """One tokenizer call for many documents: their text joined by the end-of-document
-        token, allowed as special. tiktoken splits its input at allowed special tokens first
-        and encodes the text between two on its own (regex pieces and merges never cross
-        one), so this gives each document's ordinary ids with one end-of-document id between
-        two: the same ids as a call per document, without the cost of a call (a tenth of
-        tiktoken's time on documents of 150 bytes). None where a text holds the token's
-        string itself (there it is text; one call per document keeps it so)."""
+        """One tokenizer call for many documents: their text, each followed by the
+        end-of-document token, allowed as special. tiktoken splits its input at allowed
+        special tokens first and encodes the text between two on its own (regex pieces and
+        merges never cross one), so this gives each document's ordinary ids followed by the
+        end-of-document id: the ids of a call per document, without the cost of a call (a
+        tenth of tiktoken's time on documents of 150 bytes), and the stream's layout as it
+        comes. None where a text holds the token's string itself (there it is text; a call
+        per document keeps it so)."""
         bounds = [0, len(texts)]
         if sum(map(len, texts)) > _JOIN_CHARS:  # groups of about that: not all text twice
             cum = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
             cuts = np.searchsorted(cum, np.arange(_JOIN_CHARS, int(cum[-1]), _JOIN_CHARS))
             bounds = sorted({0, len(texts), *cuts.tolist()})
-        sep, eos = self._sep, self.eos_id
-        ids, counts = [], []
+        sep = self._sep
+        tokens, eos_at = [], []
         for a, b in itertools.pairwise(bounds):
             # The separator does not begin as it ends, so no match of it can start in a text
-            # and end in a separator: b - a - 1 of them, else a text holds its string (rare:
+            # and end in a separator: b - a of them, else a text holds its string (rare:
             # checked on the ids, not by a search of every text).
-            out = np.frombuffer(encode(sep.join(texts[a:b]), self._sep_allowed), np.int32)
-            is_sep = out == eos
-            ends = np.flatnonzero(is_sep)
-            if len(ends) != b - a - 1:
+            out = np.frombuffer(encode(sep.join([*texts[a:b], ""]), self._sep_allowed),
+                                dtype=np.int32)
+            ends = np.flatnonzero(out == self.eos_id)
+            if len(ends) != b - a:
                 return None
-            ids.append(out[~is_sep])
-            counts.append(np.diff(ends, prepend=-1, append=len(out)) - 1)
-        if len(ids) == 1:
-            return ids[0], counts[0]
-        return np.concatenate(ids), np.concatenate(counts)
+            tokens.append(out)
+            eos_at.append(ends)
+        if len(tokens) == 1:
+            return tokens[0], eos_at[0]
+        starts = np.cumsum([0] + [len(t) for t in tokens[:-1]])
+        return np.concatenate(tokens), np.concatenate([e + o for e, o in
+                                                       zip(eos_at, starts, strict=True)])
 
 
 class HFTokenizer:
@@ -149,11 +167,14 @@ class HFTokenizer:
         out = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in out]
 
-    def encode_concat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         ids = [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        return (np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32,
-                            count=int(lengths.sum())), lengths)
+        eos = (self.eos_id,)
+        tokens = np.fromiter(itertools.chain.from_iterable(
+            itertools.chain.from_iterable(zip(ids, itertools.repeat(eos)))),
+            dtype=np.int32, count=int(lengths.sum()) + len(ids))
+        return tokens, np.cumsum(lengths + 1) - 1
 
 
 def _gpt2() -> TiktokenTokenizer:

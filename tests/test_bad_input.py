@@ -516,17 +516,17 @@ def test_tokenizer_files_give_the_ids_of_gpt2(which, hf_tokenizer_json, tiktoken
 
 
 @pytest.mark.parametrize("which", ["gpt2", "cl100k", "hf", "tiktoken_file"])
-def test_encode_concat_is_encode_batch_back_to_back(which, hf_tokenizer_json, tiktoken_file):
+def test_encode_docs_is_encode_batch_with_eos(which, hf_tokenizer_json, tiktoken_file):
     tok = load_tokenizer({"hf": hf_tokenizer_json, "tiktoken_file": tiktoken_file}.get(which,
                                                                                        which))
     texts = [*ENGLISH, "", " ", "\n\n", "naïve café ünïcödé 日本語 🙂", "x" * 3000, ""]
-    ids, counts = tok.encode_concat(texts)
+    tokens, eos_at = tok.encode_docs(texts)
     parts = tok.encode_batch(texts)
-    assert ids.dtype == np.int32 and counts.dtype == np.int64
-    assert counts.tolist() == [len(p) for p in parts]
-    np.testing.assert_array_equal(ids, np.concatenate(parts))
-    empty_ids, empty_counts = tok.encode_concat([])
-    assert len(empty_ids) == 0 and len(empty_counts) == 0
+    assert tokens.dtype == np.int32 and eos_at.dtype == np.int64
+    np.testing.assert_array_equal(tokens, np.concatenate([[*p, tok.eos_id] for p in parts]))
+    np.testing.assert_array_equal(eos_at, np.cumsum([len(p) + 1 for p in parts]) - 1)
+    empty_tokens, empty_eos_at = tok.encode_docs([])
+    assert len(empty_tokens) == 0 and len(empty_eos_at) == 0
 
 
 # Documents whose ends meet in ways that would merge or split pieces if the text ran on:
@@ -538,7 +538,7 @@ _BOUNDARIES = ["end with spaces   ", "   start with spaces", "don", "'t", "123",
 
 
 @pytest.mark.parametrize("which", ["gpt2", "cl100k", "tiktoken_file"])
-def test_tiktoken_encode_concat_joins_documents_and_falls_back(which, tiktoken_file,
+def test_tiktoken_encode_docs_joins_documents_and_falls_back(which, tiktoken_file,
                                                                monkeypatch):
     """One call for a unit's documents, joined by the end-of-document token, gives the ids
     of a call per document; a document holding the token's string (text there) and groups
@@ -557,11 +557,11 @@ def test_tiktoken_encode_concat_joins_documents_and_falls_back(which, tiktoken_f
 
     def check(texts):
         calls.clear()
-        ids, counts = tok.encode_concat(texts)
+        tokens, eos_at = tok.encode_docs(texts)
         n = len(calls)
         parts = tok.encode_batch(texts)
-        assert counts.tolist() == [len(p) for p in parts]
-        np.testing.assert_array_equal(ids, np.concatenate(parts))
+        np.testing.assert_array_equal(tokens, np.concatenate([[*p, tok.eos_id] for p in parts]))
+        np.testing.assert_array_equal(eos_at, np.cumsum([len(p) + 1 for p in parts]) - 1)
         del calls[n:]
         return n
 
@@ -575,6 +575,7 @@ def test_tiktoken_encode_concat_joins_documents_and_falls_back(which, tiktoken_f
     sep = "<|endoftext|>"
     text_sizes = [len(c) - len(sep) * c.count(sep) for c in calls]
     assert 1 < n < len(texts) and sum(text_sizes) == sum(map(len, texts))
+    assert sum(c.count(sep) for c in calls) == len(texts)
     assert max(text_sizes) <= 40 + max(map(len, texts))
 
 
