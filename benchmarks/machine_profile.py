@@ -1,6 +1,7 @@
 """Where the whole machine's CPU time goes while ``ingest run`` feeds: perf on every CPU.
 
     python -m benchmarks.machine_profile [CONFIG] [--epochs N] [--delay S] [--seconds S]
+                                         [--symbols N]
 
 Runs ``ingest run`` on the config (default: the demo) as ``ingest bench`` does, over
 ``--epochs`` epochs (default 6, so that the recording falls in the run's steady part), waits
@@ -17,6 +18,8 @@ samples every CPU with ``perf record -a`` for ``--seconds``. Each sample is put 
     ray_system        Ray's own processes (raylet and object store, GCS, agents)
     other_programs    every other process on the machine
     idle              no process on the CPU
+
+With ``--symbols N`` it also lists each part's N busiest functions (library and symbol).
 
 The fractions are of all CPU time (CPUs x seconds): the ``tokenizer`` fraction bounds what
 ``ours / (CPUs x single-core limit)`` can be, if the tokenizer runs in a worker as fast as
@@ -44,7 +47,7 @@ from benchmarks.bench import ROOT, _child_env
 from benchmarks.corpus import make_spec
 from benchmarks.measure import _group
 
-__all__ = ["classify", "main", "split_samples"]
+__all__ = ["classify", "main", "split_samples", "top_symbols"]
 
 _LINE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s*\((.*)\)\s*$")
 _TOKENIZER_LIBS = ("_tiktoken", "tokenizers.")
@@ -82,6 +85,24 @@ def split_samples(lines, roles: dict[int, str]) -> dict[str, int]:
     return dict(counts)
 
 
+def top_symbols(lines, roles: dict[int, str], n: int) -> dict[str, list[tuple[str, int]]]:
+    """Each part's ``n`` busiest ``library:symbol`` and their samples, from the same lines."""
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for line in lines:
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        role = "idle" if pid == 0 else roles.get(pid, "other_programs")
+        part = classify(role, m.group(3), m.group(2))
+        counts[part, f"{os.path.basename(m.group(3))}:{m.group(2)}"] += 1
+    out: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    for (part, sym), c in counts.most_common():
+        if len(out[part]) < n:
+            out[part].append((sym, c))
+    return dict(out)
+
+
 def _roles(run_pid: int, roles: dict[int, str]) -> None:
     """Adds the run's processes: the host, its workers, and Ray's other processes."""
     roles[run_pid] = "host"
@@ -107,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds after the workers appear before recording (default 3)")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds to record (default 3)")
     p.add_argument("--frequency", type=int, default=999, help="samples per CPU per second")
+    p.add_argument("--symbols", type=int, default=0, metavar="N",
+                   help="also list each part's N busiest functions")
     args = p.parse_args(argv)
     perf = shutil.which("perf")
     if perf is None:
@@ -143,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"ingest run failed ({run.returncode}): {err[-2000:]}")
         script = subprocess.run([perf, "script", "-i", data, "-F", "pid,ip,sym,dso"],
                                 capture_output=True, text=True, check=True)
-    counts = split_samples(script.stdout.splitlines(), roles)
+    lines = script.stdout.splitlines()
+    counts = split_samples(lines, roles)
     total = sum(counts.values())
     summary = json.loads(out.strip().splitlines()[-1])
     result: dict[str, Any] = {
@@ -153,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         "fractions": {k: round(v / total, 4) for k, v in
                       sorted(counts.items(), key=lambda kv: -kv[1])} if total else {},
         "recording_overlapped_the_end": ended_early}
+    if args.symbols:
+        result["symbols"] = {part: [[sym, round(c / total, 4)] for sym, c in top]
+                             for part, top in top_symbols(lines, roles, args.symbols).items()}
+        for part, top in result["symbols"].items():
+            print(f"{part}: " + ", ".join(f"{sym} {100 * f:.1f}%" for sym, f in top),
+                  file=sys.stderr)
     if ended_early:
         print("warning: the run ended while perf recorded; raise --epochs", file=sys.stderr)
     print(", ".join(f"{k} {100 * v:.1f}%" for k, v in result["fractions"].items()),

@@ -137,7 +137,7 @@ def test_chunk_sweep_reports_each_size_with_its_object_store_bound(tmp_path):
 
 
 def test_machine_profile_puts_each_perf_sample_in_its_part():
-    from benchmarks.machine_profile import split_samples
+    from benchmarks.machine_profile import split_samples, top_symbols
 
     lines = [  # `perf script -F pid,ip,sym,dso`, as perf 6.1 prints it
         " 101  7f01 fancy_regex::vm::run_with (/venv/tiktoken/_tiktoken.cpython-311-x86_64-linux-gnu.so)",
@@ -161,6 +161,11 @@ def test_machine_profile_puts_each_perf_sample_in_its_part():
         "tokenizer": 2, "worker_libc": 1, "worker_python": 1, "worker_kernel": 1,
         "worker_numpy": 1, "worker_ray": 1, "worker_arrow": 1, "worker_other": 1, "host": 1,
         "ray_system": 1, "other_programs": 1, "idle": 2}
+    top = top_symbols(lines + lines[:1], roles, 1)
+    assert top["tokenizer"] == [("_tiktoken.cpython-311-x86_64-linux-gnu.so:fancy_regex::vm::"
+                                 "run_with", 2)]
+    assert top["idle"] == [("[kernel.kallsyms]:pv_native_safe_halt", 2)]
+    assert sum(len(v) for v in top_symbols(lines, roles, 5).values()) == 13  # idle twice
 
 
 def test_scaling_sweeps_powers_of_two_up_to_the_cpus():
