@@ -17,7 +17,7 @@ from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
-from ingest.process import one_cpu_producer
+from ingest.process import claim_cpu, one_cpu_producer
 from ingest.stream import Chunk, Stream, open_stream
 from ingest.tokenize import load_tokenizer
 
@@ -68,6 +68,7 @@ class StreamWorker:
     def __init__(self, config: Config, plan: UnitPlan, name: str):
         os.environ.update(WORKER_ENV)
         one_cpu_producer()  # the actor reserves one CPU
+        self._cpu = claim_cpu() if config.pin_workers else None
         self._config = config
         self._plan = plan
         self._name = name
@@ -78,6 +79,10 @@ class StreamWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def cpu(self) -> int | None:
+        """The CPU this worker is bound to (``pin_workers``), or None."""
+        return self._cpu
 
     def where(self) -> tuple[int, str]:
         """(process id, Ray node id): lets the host kill this process for fault injection."""

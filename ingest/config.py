@@ -31,7 +31,8 @@ TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
 RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "streams_per_call", "prefetch",
                             "object_store_budget_mb",
                             "reset_after_epoch",
-                            "autoscale", "min_workers", "max_workers", "autoscale_window_s"})
+                            "autoscale", "min_workers", "max_workers", "autoscale_window_s",
+                            "pin_workers"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,6 +182,8 @@ class Config:
         unused, within ``min_workers``/``max_workers`` (``workers`` is the start). Runtime only.
       min_workers, max_workers: autoscale bounds; null max means one worker per owned stream.
       autoscale_window_s: seconds between autoscale decisions.
+      pin_workers: each worker binds itself to a CPU no other worker of this feed's kind on its
+        node has claimed (none free: it floats). Runtime only.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -211,6 +214,7 @@ class Config:
     min_workers: int = 1
     max_workers: int | None = None
     autoscale_window_s: float = 2.0
+    pin_workers: bool = True
 
     def __post_init__(self):
         problems = []
@@ -259,7 +263,7 @@ class Config:
                               ("on_bad_file", BAD_INPUT_POLICIES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {list(allowed)}")
-        for name in ("predict_across_documents", "shuffle", "autoscale"):
+        for name in ("predict_across_documents", "shuffle", "autoscale", "pin_workers"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         w = self.autoscale_window_s

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import tempfile
 
 import pyarrow as pa
 
-__all__ = ["one_cpu_producer"]
+__all__ = ["claim_cpu", "one_cpu_producer"]
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -56,3 +58,38 @@ def _keep_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+_claims: list[int] = []  # lock files' descriptors, held for this process's life
+
+
+def claim_cpu(lock_dir: str | None = None) -> int | None:
+    """Binds this process to one CPU of those it may run on that no other claimant holds, and
+    returns it; None where none is free or the platform has no CPU affinity (it floats).
+
+    A claim is an exclusive lock on a file per CPU in ``lock_dir`` (default: a folder of this
+    user's in the temporary directory), so it ends with the process, however it exits. Each
+    worker of every feed on a node claims one: two never share a CPU while another has none,
+    and a worker is not moved between CPUs, which costs it its caches. With two workers and the
+    host on 2 CPUs, the feed's rate rose 4 - 7 % (benchmarks/RESULTS.md).
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    import fcntl  # noqa: PLC0415 -- POSIX only, like sched_setaffinity
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return None
+    lock_dir = lock_dir or os.path.join(tempfile.gettempdir(), f"ingest-cpus-{os.getuid()}")
+    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+    for cpu in allowed:
+        fd = os.open(os.path.join(lock_dir, f"cpu{cpu}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        os.sched_setaffinity(0, {cpu})
+        _claims.append(fd)
+        return cpu
+    return None

@@ -82,3 +82,44 @@ def test_feed_metrics_reach_rays_prometheus_endpoint_and_stats(ray_cluster, tmp_
                  if line.startswith("ray_ingest_")}
         tick.wait(1.0)
     assert wanted <= found, f"missing metrics after 60 s: {sorted(wanted - found)}"
+
+
+def test_workers_bind_to_cpus_of_their_own_unless_told_not_to(ray_cluster, tmp_path):
+    import dataclasses
+    import fcntl
+    import os
+    import tempfile
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs CPU affinity and 2 CPUs")
+    write_parquet_corpus(tmp_path, n_files=1, docs_per_file=20, row_group_size=10, seed=1)
+    cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=16,
+                 global_batch_size=2, num_streams=2, unit_rows=5)
+    plan = build_plan(cfg)
+
+    def probe(self):
+        return self.cpu(), sorted(__import__("os").sched_getaffinity(0))
+
+    everything = sorted(os.sched_getaffinity(0))
+    ws = [StreamWorker.remote(cfg, plan, f"pin{i}") for i in range(2)]
+    try:
+        got = ray.get([w.__ray_call__.remote(probe) for w in ws], timeout=60)
+        claimed = [cpu for cpu, _ in got if cpu is not None]
+        assert len(set(claimed)) == len(claimed), got  # never the same CPU
+        for cpu, affinity in got:
+            assert affinity == ([cpu] if cpu is not None else everything), got
+        if len(claimed) < 2:
+            # Only when every CPU was held (by workers of other tests still exiting): check.
+            locks = os.path.join(tempfile.gettempdir(), f"ingest-cpus-{os.getuid()}")
+            for cpu in everything:
+                with open(os.path.join(locks, f"cpu{cpu}.lock"), "a") as f:
+                    with pytest.raises(OSError):
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        for w in ws:
+            ray.kill(w)
+    floating = StreamWorker.remote(dataclasses.replace(cfg, pin_workers=False), plan, "f")
+    try:
+        assert ray.get(floating.__ray_call__.remote(probe), timeout=60) == (None, everything)
+    finally:
+        ray.kill(floating)

@@ -55,3 +55,44 @@ def test_producer_keeps_freed_chunks_instead_of_faulting_them_in_again():
     # 24 MiB is 6,144 pages: given back and faulted in again by default, kept when set up.
     assert plain["faults_per_call"] > 3000, plain
     assert producer["faults_per_call"] < 300, producer
+
+
+CLAIM = """
+import os, sys
+from ingest.process import claim_cpu
+cpu = claim_cpu(sys.argv[1])
+print(cpu, sorted(os.sched_getaffinity(0)), flush=True)
+sys.stdin.readline()  # holds the claim until told to exit
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="CPU affinity")
+def test_claim_cpu_gives_each_process_its_own_cpu_until_none_is_free(tmp_path):
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to choose")
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path)], cwd=ROOT, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        line = p.stdout.readline().split(" ", 1)
+        return p, (None if line[0] == "None" else int(line[0])), json.loads(line[1])
+
+    procs = [start() for _ in range(len(allowed) + 1)]
+    try:
+        claimed = [cpu for _, cpu, _ in procs[:-1]]
+        assert sorted(claimed) == allowed  # one each, all different
+        assert all(aff == [cpu] for _, cpu, aff in procs[:-1])
+        assert procs[-1][1] is None and procs[-1][2] == allowed  # none free: it floats
+        # A claim ends with its process: the next one gets that CPU.
+        first, cpu0, _ = procs[0]
+        first.communicate("\n", timeout=30)
+        again = start()
+        procs.append(again)
+        assert again[1] == cpu0 and again[2] == [cpu0]
+    finally:
+        for p, _, _ in procs:
+            if p.poll() is None:
+                p.communicate("\n", timeout=30)
