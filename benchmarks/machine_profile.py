@@ -72,30 +72,26 @@ def classify(role: str, dso: str, sym: str) -> str:
     return "worker_other"
 
 
-def split_samples(lines, roles: dict[int, str]) -> dict[str, int]:
-    """Samples per part from ``perf script -F pid,ip,sym,dso`` lines; pid 0 is an idle CPU."""
-    counts: collections.Counter[str] = collections.Counter()
+def _samples(lines, roles: dict[int, str]):
+    """(part, library, symbol) of each ``perf script -F pid,ip,sym,dso`` sample line."""
     for line in lines:
         m = _LINE.match(line)
         if m is None:
             continue
         pid = int(m.group(1))
-        role = "idle" if pid == 0 else roles.get(pid, "other_programs")
-        counts[classify(role, m.group(3), m.group(2))] += 1
-    return dict(counts)
+        role = "idle" if pid == 0 else roles.get(pid, "other_programs")  # pid 0: an idle CPU
+        yield classify(role, m.group(3), m.group(2)), m.group(3), m.group(2)
+
+
+def split_samples(lines, roles: dict[int, str]) -> dict[str, int]:
+    """Samples per part from ``perf script -F pid,ip,sym,dso`` lines; pid 0 is an idle CPU."""
+    return dict(collections.Counter(part for part, _, _ in _samples(lines, roles)))
 
 
 def top_symbols(lines, roles: dict[int, str], n: int) -> dict[str, list[tuple[str, int]]]:
     """Each part's ``n`` busiest ``library:symbol`` and their samples, from the same lines."""
-    counts: collections.Counter[tuple[str, str]] = collections.Counter()
-    for line in lines:
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        pid = int(m.group(1))
-        role = "idle" if pid == 0 else roles.get(pid, "other_programs")
-        part = classify(role, m.group(3), m.group(2))
-        counts[part, f"{os.path.basename(m.group(3))}:{m.group(2)}"] += 1
+    counts = collections.Counter((part, f"{os.path.basename(dso)}:{sym}")
+                                 for part, dso, sym in _samples(lines, roles))
     out: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for (part, sym), c in counts.most_common():
         if len(out[part]) < n:
