@@ -182,8 +182,8 @@ class Config:
         unused, within ``min_workers``/``max_workers`` (``workers`` is the start). Runtime only.
       min_workers, max_workers: autoscale bounds; null max means one worker per owned stream.
       autoscale_window_s: seconds between autoscale decisions.
-      pin_workers: each worker binds itself to a CPU no other worker of this feed's kind on its
-        node has claimed (none free: it floats). Runtime only.
+      pin_workers: each worker binds itself to a CPU that no other ingest worker on its node
+        holds (none free: it floats). Runtime only.
     """
 
     sources: tuple[SourceConfig, ...]

@@ -71,7 +71,8 @@ def claim_cpu(lock_dir: str | None = None) -> int | None:
     user's in the temporary directory), so it ends with the process, however it exits. Each
     worker of every feed on a node claims one: two never share a CPU while another has none,
     and a worker is not moved between CPUs, which costs it its caches. With two workers and the
-    host on 2 CPUs, the feed's rate rose 4 - 7 % (benchmarks/RESULTS.md).
+    host on 2 CPUs, the feed's steady rate rose 4 - 6 % on the demo over 6 epochs and 5 - 7 %
+    on tiny documents (benchmarks/RESULTS.md).
     """
     if not hasattr(os, "sched_setaffinity"):
         return None
