@@ -28,7 +28,7 @@ from ingest.pack import assign_bins, fill_bins
 from ingest.plan import UnitPlan, deal_units, philox
 from ingest.shift import FIELDS, concat_fields, shift_rows
 from ingest.sources import BAD_REASONS, decode_texts, numpy_view, read_texts
-from ingest.tokenize import Tokenizer, load_tokenizer, with_eos
+from ingest.tokenize import Tokenizer, docs_of, load_tokenizer, with_eos
 
 __all__ = ["Chunk", "Stream", "StreamState", "open_stream"]
 
@@ -249,9 +249,7 @@ class Stream:
                     raise
         if out is None:
             out, failed = self._encode_one_by_one(texts, epoch, pos, docs)
-        ids = np.concatenate(out) if out else np.zeros(0, np.int32)
-        counts = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
-        return (*with_eos(ids, counts, self.tokenizer.eos_id), failed)
+        return (*docs_of(out, self.tokenizer.eos_id), failed)
 
     def _encode_one_by_one(self, texts: list[str], epoch: int, pos: int, docs: np.ndarray
                            ) -> tuple[list[np.ndarray], list[int]]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ingest.cache import cached_by_files
 
-__all__ = ["Tokenizer", "load_tokenizer", "with_eos"]
+__all__ = ["Tokenizer", "docs_of", "load_tokenizer", "with_eos"]
 
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
 _GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -61,8 +61,8 @@ def with_eos(ids: np.ndarray, counts: np.ndarray, eos_id: int) -> tuple[np.ndarr
     return tokens, eos_at
 
 
-def _docs_of(parts: list[np.ndarray], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``encode_docs``'s layout from an id array per document."""
+def docs_of(parts: list[np.ndarray], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``encode_docs``'s layout from an id array per document (``encode_batch``'s)."""
     return with_eos(np.concatenate(parts) if parts else np.zeros(0, np.int32),
                     np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), eos_id)
 
@@ -96,7 +96,7 @@ class TiktokenTokenizer:
         encode = getattr(getattr(self._enc, "_core_bpe", None), "encode_to_tiktoken_buffer",
                          None)
         if encode is None:  # another tiktoken: the public call
-            return _docs_of(self.encode_batch(texts), self.eos_id)
+            return docs_of(self.encode_batch(texts), self.eos_id)
         if self._sep is not None and texts:
             joined = self._encode_joined(encode, texts)
             if joined is not None:
@@ -120,11 +120,10 @@ class TiktokenTokenizer:
         tenth of tiktoken's time on documents of 150 bytes), and the stream's layout as it
         comes. None where a text holds the token's string itself (there it is text; a call
         per document keeps it so)."""
-        bounds = [0, len(texts)]
-        if sum(map(len, texts)) > _JOIN_CHARS:  # groups of about that: not all text twice
-            cum = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
-            cuts = np.searchsorted(cum, np.arange(_JOIN_CHARS, int(cum[-1]), _JOIN_CHARS))
-            bounds = sorted({0, len(texts), *cuts.tolist()})
+        # Groups of about _JOIN_CHARS characters, cut at documents: not all text twice.
+        cum = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
+        cuts = np.searchsorted(cum, np.arange(_JOIN_CHARS, int(cum[-1]), _JOIN_CHARS))
+        bounds = sorted({0, len(texts), *cuts.tolist()})
         sep = self._sep
         tokens, eos_at = [], []
         for a, b in itertools.pairwise(bounds):
