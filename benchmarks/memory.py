@@ -27,6 +27,9 @@ import yaml
 
 from benchmarks.measure import TreeSampler, _group, _kill_tree, _own_bytes
 
+# Peak bytes per epoch: RSS, and RSS less shared-memory pages (Ray's object store, mapped in).
+_FIGURES = ("host", "host_own", "workers_max", "workers_sum", "workers_max_own")
+
 
 def _config_file(config: str | None, epochs: int, tmp: str) -> str:
     from ingest.config import load_config, to_dict
@@ -41,7 +44,7 @@ def _config_file(config: str | None, epochs: int, tmp: str) -> str:
 
 
 def _sample(root: psutil.Process) -> dict[str, int]:
-    out = {"host": 0, "workers_max": 0, "workers_sum": 0, "workers_max_own": 0}
+    out = dict.fromkeys(_FIGURES, 0)
     try:
         tree = [(root, True)] + [(p, False) for p in root.children(recursive=True)]
     except psutil.Error:
@@ -54,6 +57,9 @@ def _sample(root: psutil.Process) -> dict[str, int]:
             continue
         if group == "host":
             out["host"] = rss
+            mine = _own_bytes(proc.pid)
+            if mine is not None:
+                out["host_own"] = mine
         elif group == "workers":
             out["workers_max"] = max(out["workers_max"], rss)
             mine = _own_bytes(proc.pid)
@@ -112,11 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     per_epoch = []
     for e in range(args.epochs):
         lo, hi = steps * e / args.epochs, steps * (e + 1) / args.epochs
-        part = [s for s in series if lo < s["step"] <= hi] or [{"host": 0, "workers_max": 0,
-                                                                 "workers_sum": 0,
-                                                                 "workers_max_own": 0}]
-        per_epoch.append({k: max(s[k] for s in part) / 2**20
-                          for k in ("host", "workers_max", "workers_sum", "workers_max_own")})
+        part = [s for s in series if lo < s["step"] <= hi] or [dict.fromkeys(_FIGURES, 0)]
+        per_epoch.append({k: max(s[k] for s in part) / 2**20 for k in _FIGURES})
     result = {"epochs": args.epochs, "steps": steps, "tokens_per_s": summary["tokens_per_s"],
               "peak_mib_per_epoch": per_epoch,
               "object_store_used_peak_mib": (store_figures["object_store"]["used_peak_bytes"]
@@ -126,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": round(store_figures["wall_s"], 1),
               "other_programs_cpu_s": round(store_figures["other_programs_cpu_s"], 1)}
     print(f"{args.epochs} epochs, {steps} steps, {summary['tokens_per_s'] / 1e6:.2f} M tokens/s")
-    print("epoch  host MiB  largest worker MiB  all workers MiB  largest worker without shmem")
+    print("epoch  host MiB  host without shmem  largest worker MiB  all workers MiB  "
+          "largest worker without shmem")
     for e, m in enumerate(per_epoch):
-        print(f"{e:>5}  {m['host']:>8.0f}  {m['workers_max']:>18.0f}  {m['workers_sum']:>15.0f}"
-              f"  {m['workers_max_own']:>28.0f}")
+        print(f"{e:>5}  {m['host']:>8.0f}  {m['host_own']:>18.0f}  {m['workers_max']:>18.0f}  "
+              f"{m['workers_sum']:>15.0f}  {m['workers_max_own']:>28.0f}")
     print(f"object store in use, peak: {result['object_store_used_peak_mib']:.1f} MiB "
           f"(the feed's bound: {result['feed_object_store_bound_mib']:.1f} MiB)")
     print(f"CPU seconds over {result['wall_s']} s: " + ", ".join(
