@@ -58,6 +58,9 @@ class WorkerPool:
         # Requests in flight per stream, lowered to fit object_store_budget_mb.
         self._depth = config.requests_in_flight(len(self._stream_ids))
         self.bytes_bound = len(self._stream_ids) * (self._depth + 1) * config.chunk_bytes
+        # Each worker maps this much of the store when it starts: the chunks land there.
+        self._prefault_bytes = (self.bytes_bound * 5 // 4 if config.prefault_object_store
+                                else 0)
         self.bytes_peak = 0
         self.metrics = HostMetrics()
         self.rows_by_stream: dict[int, int] = {s: 0 for s in self._stream_ids}
@@ -318,7 +321,8 @@ class WorkerPool:
 
     def _spawn(self):
         name = f"w{self._next_name}"
-        w = StreamWorker.remote(self._config, self._plan_ref, name)
+        w = StreamWorker.remote(self._config, self._plan_ref, name,
+                                prefault_bytes=self._prefault_bytes)
         if self._poison_marker is not None:
             w.inject_poison.remote(self._poison_marker)
         self._names[id(w)] = name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
 from ingest.plan import UnitPlan
-from ingest.process import claim_cpu, one_cpu_producer
+from ingest.process import claim_cpu, one_cpu_producer, prefault_shared
 from ingest.stream import Chunk, Stream, open_stream
 from ingest.tokenize import load_tokenizer
 
@@ -65,10 +66,16 @@ def _rebuild_worker_error(message, stream_id, worker, cause, retryable=False):
 class StreamWorker:
     """Produces chunks for the streams opened on it."""
 
-    def __init__(self, config: Config, plan: UnitPlan, name: str):
+    def __init__(self, config: Config, plan: UnitPlan, name: str, *, prefault_bytes: int = 0):
         os.environ.update(WORKER_ENV)
         one_cpu_producer()  # the actor reserves one CPU
         self._cpu = claim_cpu() if config.pin_workers else None
+        # The first pages of Ray's object store (``prefault_object_store``), where this worker's
+        # chunks will be stored: on a thread of its own, so that the actor is ready at once.
+        self._prefaulted = 0
+        self._prefault = threading.Thread(target=self._prefault_store, args=(prefault_bytes,),
+                                          name="prefault", daemon=True)
+        self._prefault.start()
         self._config = config
         self._plan = plan
         self._name = name
@@ -83,6 +90,14 @@ class StreamWorker:
     def cpu(self) -> int | None:
         """The CPU this worker is bound to (``pin_workers``), or None."""
         return self._cpu
+
+    def _prefault_store(self, nbytes: int) -> None:
+        self._prefaulted = prefault_shared("plasma", nbytes)
+
+    def prefaulted(self) -> int:
+        """Bytes of Ray's object store this worker mapped when it started (once done)."""
+        self._prefault.join()
+        return self._prefaulted
 
     def where(self) -> tuple[int, str]:
         """(process id, Ray node id): lets the host kill this process for fault injection."""

@@ -32,7 +32,7 @@ RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "streams_per_call", "prefet
                             "object_store_budget_mb",
                             "reset_after_epoch",
                             "autoscale", "min_workers", "max_workers", "autoscale_window_s",
-                            "pin_workers"})
+                            "pin_workers", "prefault_object_store"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,6 +184,9 @@ class Config:
       autoscale_window_s: seconds between autoscale decisions.
       pin_workers: each worker binds itself to a CPU that no other ingest worker on its node
         holds (none free: it floats). Runtime only.
+      prefault_object_store: each worker maps the first pages of Ray's object store (1.25 x
+        the feed's bound on chunk bytes, at most half the store) into its page tables when it
+        starts, so that storing chunks there takes no page faults. Runtime only.
     """
 
     sources: tuple[SourceConfig, ...]
@@ -215,6 +218,7 @@ class Config:
     max_workers: int | None = None
     autoscale_window_s: float = 2.0
     pin_workers: bool = True
+    prefault_object_store: bool = True
 
     def __post_init__(self):
         problems = []
@@ -263,7 +267,8 @@ class Config:
                               ("on_bad_file", BAD_INPUT_POLICIES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {list(allowed)}")
-        for name in ("predict_across_documents", "shuffle", "autoscale", "pin_workers"):
+        for name in ("predict_across_documents", "shuffle", "autoscale", "pin_workers",
+                     "prefault_object_store"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         w = self.autoscale_window_s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import ray
 
@@ -123,3 +125,47 @@ def test_workers_bind_to_cpus_of_their_own_unless_told_not_to(ray_cluster, tmp_p
         assert ray.get(floating.__ray_call__.remote(probe), timeout=60) == (None, everything)
     finally:
         ray.kill(floating)
+
+
+def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_cluster,
+                                                                            tmp_path):
+    from actors.pool import WorkerPool
+
+    write_parquet_corpus(tmp_path, n_files=1, docs_per_file=20, row_group_size=10, seed=1)
+    cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=256,
+                 global_batch_size=4, num_streams=2, unit_rows=5, chunk_rows=64)
+    plan = build_plan(cfg)
+
+    def probe(self):
+        import os
+
+        from ingest.process import prefault_shared, shared_mapping
+
+        found = shared_mapping("plasma")
+        if found is None:
+            return self.prefaulted(), None, False
+        with open(f"/proc/{os.getpid()}/smaps") as f:
+            lines = f.read().splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{found[0]:x}-"))
+        rss = next(int(line.split()[1]) for line in lines[at:] if line.startswith("Rss:"))
+        # Whether this machine can prefault at all (tmpfs store, Linux 5.14+): one page.
+        return self.prefaulted(), rss * 1024, prefault_shared("plasma", 1) > 0
+
+    for on in (True, False):
+        pool = WorkerPool(dataclasses.replace(cfg, prefault_object_store=on), plan, [0, 1],
+                          num_workers=2, get_timeout_s=60)
+        try:
+            # Two streams, three chunks of 64 x 256 x 6 int32 each: 1.125 MiB; 1.25 x that.
+            assert pool.bytes_bound == 3 * 2 * 64 * 256 * 6 * 4
+            got = ray.get([w.__ray_call__.remote(probe) for w in pool._workers], timeout=60)
+        finally:
+            pool.close()
+        for prefaulted, resident, supported in got:
+            if not on:
+                assert prefaulted == 0
+            elif not supported:
+                pytest.skip("no tmpfs object store, or a kernel before 5.14: nothing prefaulted")
+            else:
+                page = __import__("os").sysconf("SC_PAGE_SIZE")
+                assert prefaulted == -(-pool.bytes_bound * 5 // 4 // page) * page
+                assert resident >= prefaulted

@@ -96,3 +96,60 @@ def test_claim_cpu_gives_each_process_its_own_cpu_until_none_is_free(tmp_path):
         for p, _, _ in procs:
             if p.poll() is None:
                 p.communicate("\n", timeout=30)
+
+
+def _resident_kib(start: int) -> int:
+    """Resident KiB of this process's mapping that starts at ``start`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == start
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping at {start:#x}")
+
+
+def test_prefault_shared_maps_the_first_pages_of_a_memory_file_and_keeps_its_contents(tmp_path):
+    import mmap
+    import os
+    import tempfile
+
+    from ingest.process import _fs_type, prefault_shared, shared_mapping
+
+    if _fs_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    size, page = 8 << 20, os.sysconf("SC_PAGE_SIZE")
+    fd, path = tempfile.mkstemp(prefix="ingest-prefault-", dir="/dev/shm")
+    os.unlink(path)  # as Ray's store file is: the mapping names it "(deleted)"
+    os.ftruncate(fd, size)
+    m = mmap.mmap(fd, size, mmap.MAP_SHARED)
+    try:
+        m[:4] = b"keep"
+        m[5 << 20:(5 << 20) + 4] = b"also"  # one page past the half that will be prefaulted
+        start, length, found = shared_mapping("ingest-prefault-")
+        assert (length, found) == (size, path)
+        assert _resident_kib(start) == 2 * page // 1024
+        got = prefault_shared("ingest-prefault-", 6 << 20)
+        if got == 0:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+        assert got == 4 << 20  # at most half of the mapping
+        assert _resident_kib(start) == (4 << 10) + page // 1024
+        assert m[:4] == b"keep" and m[5 << 20:(5 << 20) + 4] == b"also"
+        assert m[4:page] == bytes(page - 4)
+        assert prefault_shared("no-such-file-", 1 << 20) == 0
+    finally:
+        m.close()
+        os.close(fd)
+    # A file on a disk is never prefaulted: that would write its pages out.
+    if _fs_type(str(tmp_path)) not in ("tmpfs", "hugetlbfs"):
+        with open(tmp_path / "ingest-prefault-disk", "wb") as f:
+            f.truncate(size)
+        with open(tmp_path / "ingest-prefault-disk", "r+b") as f:
+            disk = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED)
+            try:
+                assert shared_mapping("ingest-prefault-disk") is None
+                assert prefault_shared("ingest-prefault-disk", 1 << 20) == 0
+            finally:
+                disk.close()
