@@ -141,21 +141,22 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
 
         from ingest.process import prefault_shared, shared_mapping
 
+        prefaulted = self.prefaulted()  # waits for the worker's prefault thread
         found = shared_mapping("plasma")
         if found is None:
-            return self.prefaulted(), None, False
+            return prefaulted, None, False
         with open(f"/proc/{os.getpid()}/smaps") as f:
             lines = f.read().splitlines()
         at = next(i for i, line in enumerate(lines) if line.startswith(f"{found[0]:x}-"))
         rss = next(int(line.split()[1]) for line in lines[at:] if line.startswith("Rss:"))
         # Whether this machine can prefault at all (tmpfs store, Linux 5.14+): one page.
-        return self.prefaulted(), rss * 1024, prefault_shared("plasma", 1) > 0
+        return prefaulted, rss * 1024, prefault_shared("plasma", 1) > 0
 
     for on in (True, False):
         pool = WorkerPool(dataclasses.replace(cfg, prefault_object_store=on), plan, [0, 1],
                           num_workers=2, get_timeout_s=60)
         try:
-            # Two streams, three chunks of 64 x 256 x 6 int32 each: 1.125 MiB; 1.25 x that.
+            # Two streams, three chunks each of 64 x 256 x 6 int32 (0.375 MiB): 2.25 MiB.
             assert pool.bytes_bound == 3 * 2 * 64 * 256 * 6 * 4
             got = ray.get([w.__ray_call__.remote(probe) for w in pool._workers], timeout=60)
         finally:

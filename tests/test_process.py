@@ -1,7 +1,9 @@
-"""A producer process's setup (ingest.process): one Arrow thread, and glibc's malloc keeping a
-call's freed chunks for the next call instead of faulting them in again.
+"""A producer process's setup (ingest.process): one Arrow thread, glibc's malloc keeping a
+call's freed chunks for the next call instead of faulting them in again, a CPU of its own, and
+the first pages of a shared memory file (Ray's object store) mapped in ahead of use.
 
-Each case runs in a fresh interpreter: mallopt settings are process-wide and cannot be undone.
+The malloc and CPU cases run in fresh interpreters: those settings are process-wide and cannot
+be undone.
 """
 
 from __future__ import annotations
