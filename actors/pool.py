@@ -35,6 +35,10 @@ __all__ = ["WorkerPool"]
 
 log = logging.getLogger("ingest.pool")
 
+# The most of Ray's object store a worker prefaults as it starts (``prefault_object_store``):
+# mapping a page takes its process 1 - 2.4 us, so at most about half a second of a CPU.
+PREFAULT_MAX_BYTES = 1 << 30
+
 
 class WorkerPool:
     """Ray workers producing chunks for the streams ``stream_ids``.
@@ -59,8 +63,8 @@ class WorkerPool:
         self._depth = config.requests_in_flight(len(self._stream_ids))
         self.bytes_bound = len(self._stream_ids) * (self._depth + 1) * config.chunk_bytes
         # Each worker maps this much of the store when it starts: the chunks land there.
-        self._prefault_bytes = (self.bytes_bound * 5 // 4 if config.prefault_object_store
-                                else 0)
+        self._prefault_bytes = (min(self.bytes_bound * 5 // 4, PREFAULT_MAX_BYTES)
+                                if config.prefault_object_store else 0)
         self.bytes_peak = 0
         self.metrics = HostMetrics()
         self.rows_by_stream: dict[int, int] = {s: 0 for s in self._stream_ids}

@@ -185,8 +185,9 @@ class Config:
       pin_workers: each worker binds itself to a CPU that no other ingest worker on its node
         holds (none free: it floats). Runtime only.
       prefault_object_store: each worker maps the first pages of Ray's object store (1.25 x
-        the feed's bound on chunk bytes, at most half the store) into its page tables when it
-        starts, so that storing chunks there takes no page faults. Runtime only.
+        the feed's bound on chunk bytes, at most 1 GiB and half the store) into its page
+        tables when it starts, so that storing chunks there takes no page faults. Runtime
+        only.
     """
 
     sources: tuple[SourceConfig, ...]
