@@ -62,6 +62,7 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
     assert limit["other_backend"]["ids_differ_in_documents"] == 0
     _positive(limit["parquet"], "bytes_per_s", "documents_per_s", "arrow.bytes_per_s")
     _positive(limit["produce"], "tokens_per_s", "profile.fractions.tokenize")
+    _positive(limit["tokenizer_after_ours"], "tokens_per_s")  # the machine's speed, again
 
     ours = results["ours"]
     _positive(ours, "tokens_per_s", "tokens_per_s_with_startup", "startup_s", "steps", "tokens",
@@ -84,7 +85,9 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
     store = step["memory"]["object_store"]  # Ray's own figure: best effort, else a reason
     assert store["polls_ok"] > 0 or store.get("error")
     _positive(results["ratios"], "ours_over_cpus_x_limit", "ours_over_best_peer_with_startup",
-              "steady_ours_over_cpus_x_limit")
+              "steady_ours_over_cpus_x_limit", "limit_drift")
+    assert results["ratios"]["limit_drift"] == pytest.approx(
+        limit["tokenizer_after_ours"]["tokens_per_s"] / limit["tokenizer"]["tokens_per_s"])
     # The step is set from the steady time per batch; --quick judges no target.
     assert step["pipeline_seconds_per_batch"] == ours["steady_seconds_per_batch"]
     assert results["ratios"]["meets_target"] is None
