@@ -211,20 +211,15 @@ class _Runner:
                               poll_object_store=poll_object_store)
         return _section(result, what)
 
-    def limits(self) -> dict[str, Any]:
-        out = {}
-        for what, key in (("tokenizer", "tokenizer"), ("other", "other_backend"),
-                          ("parquet", "parquet"), ("produce", "produce")):
-            _log(f"limit: {key} on one core")
-            out[key] = self.program("benchmarks.limit", [what, "--spec", self.spec_path],
-                                    f"limit {key}")
-        return out
+    def limit(self, what: str, key: str) -> dict[str, Any]:
+        _log(f"limit: {key} on one core")
+        return self.program("benchmarks.limit", [what, "--spec", self.spec_path],
+                            f"limit {key}")
 
-    def limit_again(self) -> dict[str, Any]:
-        """The tokenizer's limit measured again (after ours): the machine's speed since."""
-        _log("limit: tokenizer on one core, again")
-        return self.program("benchmarks.limit", ["tokenizer", "--spec", self.spec_path],
-                            "limit tokenizer again")
+    def limits(self) -> dict[str, Any]:
+        return {key: self.limit(what, key)
+                for what, key in (("tokenizer", "tokenizer"), ("other", "other_backend"),
+                                  ("parquet", "parquet"), ("produce", "produce"))}
 
     def ours(self, workers: int | None = None) -> dict[str, Any]:
         _log(f"ours: ingest run, ray backend, {workers or self.spec.cpus} workers")
@@ -298,7 +293,9 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None,
         runner = _Runner(spec, tmp)
         results["limit"] = runner.limits()
         results["ours"] = runner.ours()
-        results["limit"]["tokenizer_after_ours"] = runner.limit_again()
+        # The tokenizer's limit again: how far the machine's speed moved since the first.
+        results["limit"]["tokenizer_after_ours"] = runner.limit("tokenizer",
+                                                                "tokenizer_after_ours")
         per_batch = results["ours"].get("steady_seconds_per_batch")
         results["training_step"] = runner.training_step(per_batch)
         results["scaling"] = ({"skipped": "--quick runs no worker sweep"} if quick else

@@ -48,15 +48,21 @@ def one_cpu_producer() -> dict[str, bool]:
     return {"arrow_jemalloc": jemalloc, "malloc_keeps_freed_memory": _keep_freed_memory()}
 
 
-def _keep_freed_memory() -> bool:
+def _libc(name: str, *argtypes):
+    """The C library's function ``name`` (returning int), or None where there is none (not
+    glibc: musl, macOS)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _keep_freed_memory() -> bool:
+    mallopt = _libc("mallopt", ctypes.c_int, ctypes.c_int)
+    return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
@@ -164,13 +170,9 @@ def prefault_shared(prefix: str, nbytes: int) -> int:
     start, length, _ = found
     page = os.sysconf("SC_PAGE_SIZE")
     n = min(-(-nbytes // page) * page, length // 2 // page * page)  # whole pages
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    madvise = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if madvise is None:
         return 0
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
     # In steps: the kernel holds the process's memory-map lock through each call, and the
     # process's other threads wait for it to map memory of their own.
     for at in range(0, n, _PREFAULT_STEP):
