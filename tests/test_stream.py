@@ -226,6 +226,33 @@ def test_deal_gives_every_stream_units_and_similar_bytes(tmp_path):
     assert deals[0] != deals[1] != deals[2]
 
 
+def test_streams_of_one_plan_share_each_epochs_deal(tmp_path):
+    """A process's streams over one plan deal each epoch once, and read what deal_units says;
+    another plan object (equal, or of another corpus) gets a deal of its own."""
+    from ingest.stream import _dealt
+
+    write_parquet(tmp_path / "a.parquet", make_texts(40, 0), row_group_size=10)
+    config = make_config([tmp_path], num_streams=4, global_batch_size=4, unit_rows=3)
+    plan = build_plan(config)
+    streams = [Stream(config, plan, s) for s in range(config.num_streams)]
+    for epoch in range(3):
+        want = deal_units(plan, num_streams=4, seed=config.seed, epoch=epoch, shuffle=True)
+        assert [s._units(epoch) for s in streams] == want
+        # Every stream's list is the one deal's: made once for the four.
+        shared = _dealt(plan, num_streams=4, seed=config.seed, epoch=epoch, shuffle=True,
+                        source=None)
+        assert all(s._units(epoch) is shared[s.stream_id] for s in streams)
+    twin = build_plan(config)  # equal, but another object
+    again = _dealt(twin, num_streams=4, seed=config.seed, epoch=0, shuffle=True, source=None)
+    assert again == deal_units(plan, num_streams=4, seed=config.seed, epoch=0, shuffle=True)
+    assert again is not _dealt(plan, num_streams=4, seed=config.seed, epoch=0, shuffle=True,
+                               source=None)
+    # Other parameters are other deals.
+    assert _dealt(plan, num_streams=4, seed=config.seed + 1, epoch=0, shuffle=True,
+                  source=None) == deal_units(plan, num_streams=4, seed=config.seed + 1,
+                                             epoch=0, shuffle=True)
+
+
 def test_plan_with_fewer_units_than_streams_says_so(tmp_path):
     write_parquet(tmp_path / "a.parquet", make_texts(4, 0), row_group_size=4)
     config = make_config([tmp_path], unit_rows=2, num_streams=4, global_batch_size=4)
