@@ -26,14 +26,18 @@ import dataclasses
 import hashlib
 import heapq
 import json
+import logging
 
 import numpy as np
 
+from ingest import spill
 from ingest.config import Config
 from ingest.errors import BadInputError
-from ingest.sources import FileInfo, describe_file, describe_table, list_files
+from ingest.sources import LARGE_GROUP_BYTES, FileInfo, describe_file, describe_table, list_files
 
 __all__ = ["Unit", "UnitPlan", "build_plan", "deal_units", "philox"]
+
+log = logging.getLogger("ingest.plan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +164,7 @@ def build_plan(config: Config) -> UnitPlan:
             f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: some streams "
             f"would get no data. Lower unit_rows (now {config.unit_rows}; the corpus has "
             f"{sum(u.num_rows for u in units)} rows) or num_streams, or add data.")
+    _report_large_groups(files, config.unit_rows)
     blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups), f.content_key]
                        for f in files]
                       + [[s.text_column for s in config.sources]]
@@ -171,6 +176,34 @@ def build_plan(config: Config) -> UnitPlan:
                     units=tuple(units), skipped_files=tuple(skipped),
                     fingerprint=hashlib.sha256(blob.encode()).hexdigest()[:16],
                     pretokenized=tuple(s.tokens_column is not None for s in config.sources))
+
+
+def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:
+    """Logs the Parquet row groups that units split and that are too large to keep decoded in
+    memory: each is decoded once per machine and kept on disk (``ingest.spill``); past the
+    disk budget, once per unit of it, which is slow, so that is a warning."""
+    large = [(nbytes, info.path, g, rows) for info in files if info.format == "parquet"
+             for g, (rows, nbytes) in enumerate(zip(info.row_groups, info.group_bytes,
+                                                    strict=True))
+             if nbytes > LARGE_GROUP_BYTES and rows > unit_rows]
+    if not large:
+        return
+    budget = spill.budget_bytes()  # raises on a malformed setting, here rather than in a worker
+    total = sum(n for n, _, _, _ in large)
+    nbytes, path, g, rows = max(large)
+    what = (f"{len(large)} Parquet row group(s) hold over {LARGE_GROUP_BYTES >> 20} MiB of "
+            f"text each ({total / 2**30:.2f} GiB in all; the largest {nbytes / 2**20:.0f} MiB, "
+            f"{rows} rows: {path}, row group {g}) and are read in units of unit_rows={unit_rows}")
+    fix = ("Writing the files with smaller row groups (pyarrow.parquet.write_table(..., "
+           "row_group_size=1024)) avoids it")
+    if total > budget:
+        log.warning("%s; decoded row groups are kept on disk only up to "
+                    "INGEST_ROW_GROUP_CACHE_GB=%.1f GiB, and those past it are decoded again "
+                    "for each unit of them, which is slow. %s, or raise the budget.",
+                    what, budget / 2**30, fix)
+    else:
+        log.info("%s; each is decoded once per machine and kept under %s. %s.", what,
+                 spill.folder(), fix)
 
 
 def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,

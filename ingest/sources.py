@@ -26,6 +26,7 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from ingest import spill
 from ingest.errors import BadInputError
 
 __all__ = ["FileInfo", "describe_file", "describe_table", "list_files", "read_texts"]
@@ -315,10 +316,15 @@ def _parquet_file(info: FileInfo, fs, local: str) -> pq.ParquetFile:
 # group: on the tiny-document benchmark (2,048-row groups, 256-row units) the decoding was
 # 14% of a worker's time. A worker's streams read a group's units at different times, so the
 # cache helps as far as it holds the groups in use; 64 MiB keeps workers' memory bounded.
+# Groups over a quarter of it go to disk once per machine instead (ingest.spill) and are
+# memory-mapped from there: a worker maps at most _SPILLED_MAPPED of them at a time.
 _ROW_GROUP_CACHE_BYTES = 64 * 2**20
+LARGE_GROUP_BYTES = _ROW_GROUP_CACHE_BYTES // 4
+_SPILLED_MAPPED = 32
 _row_groups: collections.OrderedDict[tuple, pa.ChunkedArray] = collections.OrderedDict()
 _row_group_bytes = 0  # sum of nbytes over _row_groups (a running total: summing per insert
 # cost 2.5% of a worker's produce time on the demo)
+_spilled: collections.OrderedDict[tuple, pa.ChunkedArray] = collections.OrderedDict()
 
 
 def _row_group_column(info: FileInfo, fs, local: str, group: int,
@@ -327,16 +333,34 @@ def _row_group_column(info: FileInfo, fs, local: str, group: int,
     global _row_group_bytes
     key = (info.path, info.size, info.content_key, group, column)
     col = _row_groups.get(key)
+    if col is None:
+        col = _spilled.get(key)
+        if col is not None:
+            _spilled.move_to_end(key)
+            return col
     if col is not None:
         _row_groups.move_to_end(key)
         return col
+    # The plan's estimate of the group's decoded size says whether to look on disk first.
+    large = info.group_bytes[group] > LARGE_GROUP_BYTES
+    if large and (col := spill.load_spilled(key, info.row_groups[group])) is not None:
+        return _keep_mapped(key, col)
     col = _parquet_file(info, fs, local).read_row_group(
         group, columns=[column], use_threads=False).column(0)
-    if col.nbytes <= _ROW_GROUP_CACHE_BYTES // 4:
+    if col.nbytes <= LARGE_GROUP_BYTES:
         _row_groups[key] = col
         _row_group_bytes += col.nbytes
         while _row_group_bytes > _ROW_GROUP_CACHE_BYTES:
             _row_group_bytes -= _row_groups.popitem(last=False)[1].nbytes
+    elif large and (mapped := spill.spill(key, col)) is not None:
+        return _keep_mapped(key, mapped)
+    return col
+
+
+def _keep_mapped(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray:
+    _spilled[key] = col
+    while len(_spilled) > _SPILLED_MAPPED:
+        _spilled.popitem(last=False)  # unmapped once no unit's array points into it
     return col
 
 

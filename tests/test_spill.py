@@ -1,0 +1,174 @@
+"""Large Parquet row groups: decoded once per machine, kept on disk, each unit reads its rows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ingest import Stream, build_plan, sources, spill
+from ingest.sources import LARGE_GROUP_BYTES, read_texts
+from tests.helpers import WORDS, drain, make_config, write_parquet
+
+DOC_CHARS = 4096
+
+
+def _large_texts(seed: int) -> list[str]:
+    """Distinct documents of ``DOC_CHARS`` characters, just over LARGE_GROUP_BYTES in all."""
+    rng = random.Random(seed)
+    base = " ".join(rng.choice(WORDS) for _ in range(4 * DOC_CHARS))
+    n = LARGE_GROUP_BYTES // DOC_CHARS + 200
+    return [f"{seed}:{i:06d} " + base[(i * 37) % DOC_CHARS:][:DOC_CHARS] for i in range(n)]
+
+
+def _forget_decoded() -> None:
+    """This process's decoded groups and open files, as in a fresh worker process."""
+    with sources._parquet_lock:
+        sources._row_groups.clear()
+        sources._row_group_bytes = 0
+        sources._spilled.clear()
+        for f, _ in sources._parquet_files.values():
+            f.close()
+        sources._parquet_files.clear()
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("INGEST_ROW_GROUP_CACHE_GB", raising=False)
+    _forget_decoded()
+    yield tmp_path / "cache" / "row-groups"
+    _forget_decoded()
+
+
+@pytest.fixture(scope="module")
+def large_file(tmp_path_factory):
+    texts = _large_texts(0)
+    path = tmp_path_factory.mktemp("large") / "one_group.parquet"
+    write_parquet(path, texts, row_group_size=len(texts))
+    return str(path), texts
+
+
+def test_a_large_group_is_decoded_once_and_then_read_from_disk(large_file, cache_dir, tmp_path,
+                                                                 caplog):
+    path, texts = large_file
+    config = make_config([path], unit_rows=256)
+    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+        plan = build_plan(config)
+    info = plan.files[0]
+    assert info.row_groups == (len(texts),) and info.group_bytes[0] > LARGE_GROUP_BYTES
+    assert any("decoded once per machine" in r.getMessage() and path in r.getMessage()
+               for r in caplog.records), "the plan names the large row group"
+    units = [u for u in plan.units if u.group == 0]
+    assert len(units) > 10
+    first = units[3]
+    arr, _ = read_texts(info, 0, first.row_start, first.row_end, "text")
+    assert arr.to_pylist() == texts[first.row_start:first.row_end]
+    files = os.listdir(cache_dir)
+    assert len(files) == 1 and files[0].endswith(".arrow"), files
+    assert os.path.getsize(cache_dir / files[0]) >= LARGE_GROUP_BYTES
+
+    # A fresh process reads every unit from the disk copy: the Parquet file is not opened.
+    _forget_decoded()
+    moved = str(tmp_path / "moved.parquet")
+    os.rename(path, moved)
+    try:
+        for u in units:
+            arr, _ = read_texts(info, 0, u.row_start, u.row_end, "text")
+            assert arr.to_pylist() == texts[u.row_start:u.row_end], (u.row_start, u.row_end)
+    finally:
+        os.rename(moved, path)
+    assert len(os.listdir(cache_dir)) == 1
+
+
+def test_streams_give_the_same_rows_with_the_disk_copy_and_without(large_file, cache_dir,
+                                                                     monkeypatch):
+    path, _ = large_file
+    config = make_config([path], unit_rows=512, num_streams=2, global_batch_size=2,
+                         seq_len=256)
+    plan = build_plan(config)
+    with_disk = [drain(Stream(config, plan, s), n_rows=64) for s in range(2)]
+    assert len(os.listdir(cache_dir)) == 1
+
+    _forget_decoded()
+    monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "0")  # off: decoded for every unit
+    without = [drain(Stream(config, plan, s), n_rows=64) for s in range(2)]
+    for a, b in zip(with_disk, without, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert sum(x.shape[1] for x in without) > 100
+
+
+def _column(i: int, n: int = 200) -> pa.ChunkedArray:
+    return pa.chunked_array([pa.array([f"c{i}-{j}" * 8 for j in range(n)])])
+
+
+def test_the_disk_copies_stay_within_the_budget_least_recently_used_first(cache_dir,
+                                                                          monkeypatch):
+    size = _column(0).nbytes
+    # Room for three columns' files (each a little over its column's bytes), not four.
+    monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", str(3.6 * size / 2**30))
+    for i in range(3):
+        assert spill.spill(("k", i), _column(i)) is not None
+        os.utime(spill._path(("k", i)), (1_000 + i, 1_000 + i))  # written in order i
+    assert spill.load_spilled(("k", 0), 200) is not None  # used now: the most recent
+    assert spill.spill(("k", 3), _column(3)).to_pylist() == _column(3).to_pylist()
+    kept = {i for i in range(4) if os.path.exists(spill._path(("k", i)))}
+    assert kept == {0, 2, 3}, "the least recently used file (1) goes first"
+    total = sum(os.path.getsize(cache_dir / f) for f in os.listdir(cache_dir))
+    assert total <= spill.budget_bytes()
+    # A column over half the budget is never written.
+    assert spill.spill(("big",), _column(9, n=2_000)) is None
+    assert not os.path.exists(spill._path(("big",)))
+
+
+def test_a_damaged_or_mismatched_copy_is_removed_and_the_group_decoded(cache_dir, caplog):
+    col = _column(1)
+    assert spill.spill(("d",), col) is not None
+    path = spill._path(("d",))
+    assert spill.load_spilled(("d",), 199) is None, "another row count: not this group's copy"
+    assert not os.path.exists(path)
+    assert spill.spill(("d",), col) is not None
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with caplog.at_level(logging.WARNING, logger="ingest.spill"):
+        assert spill.load_spilled(("d",), 200) is None
+    assert not os.path.exists(path)
+    assert any("damaged row-group cache file" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unwritable_cache_folder_falls_back_to_decoding(large_file, tmp_path, monkeypatch,
+                                                           caplog):
+    path, texts = large_file
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(blocker))
+    _forget_decoded()
+    try:
+        plan = build_plan(make_config([path], unit_rows=256))
+        u = plan.units[5]
+        with caplog.at_level(logging.WARNING, logger="ingest.spill"):
+            arr, _ = read_texts(plan.files[0], 0, u.row_start, u.row_end, "text")
+        assert arr.to_pylist() == texts[u.row_start:u.row_end]
+        assert any("cannot keep decoded row groups" in r.getMessage() and "INGEST_CACHE_DIR"
+                   in r.getMessage() for r in caplog.records)
+    finally:
+        spill._warned.clear()
+        _forget_decoded()
+
+
+def test_a_malformed_budget_is_an_error_at_plan_time(large_file, cache_dir, monkeypatch):
+    monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match=r"INGEST_ROW_GROUP_CACHE_GB='lots'.*GiB"):
+        build_plan(make_config([large_file[0]], unit_rows=256))
+
+
+def test_a_large_group_past_the_budget_is_a_warning(large_file, cache_dir, monkeypatch, caplog):
+    monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "0.001")
+    with caplog.at_level(logging.WARNING, logger="ingest.plan"):
+        build_plan(make_config([large_file[0]], unit_rows=256))
+    assert any("decoded again for each unit" in r.getMessage() and "row_group_size" in
+               r.getMessage() for r in caplog.records)
