@@ -25,7 +25,7 @@ import ray
 
 from actors.autoscale import AutoscalePolicy
 from actors.metrics import HostMetrics
-from actors.worker import StreamWorker, WorkerError
+from actors.worker import HOST_ENV, StreamWorker, WorkerError
 from ingest.config import Config
 from ingest.errors import StreamError
 from ingest.plan import UnitPlan
@@ -326,7 +326,8 @@ class WorkerPool:
     def _spawn(self):
         name = f"w{self._next_name}"
         w = StreamWorker.remote(self._config, self._plan_ref, name,
-                                prefault_bytes=self._prefault_bytes)
+                                prefault_bytes=self._prefault_bytes,
+                                host_env={k: os.environ[k] for k in HOST_ENV if k in os.environ})
         if self._poison_marker is not None:
             w.inject_poison.remote(self._poison_marker)
         self._names[id(w)] = name

@@ -22,7 +22,7 @@ from ingest.process import claim_cpu, one_cpu_producer, prefault_shared
 from ingest.stream import Chunk, Stream, open_stream
 from ingest.tokenize import load_tokenizer
 
-__all__ = ["WORKER_ENV", "StreamWorker"]
+__all__ = ["HOST_ENV", "WORKER_ENV", "StreamWorker"]
 
 # JAX_PLATFORMS: workers must never grab an accelerator (DESIGN.md). The thread caps keep
 # tokenizers and numpy to the one CPU the actor reserves. Set in the actor's own process at
@@ -35,6 +35,10 @@ WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
 }
+
+# The host's settings that its workers follow, wherever they run: the pool passes those set in
+# the host's environment (a worker on another node does not inherit it).
+HOST_ENV = ("INGEST_CACHE_DIR", "INGEST_ROW_GROUP_CACHE_GB")
 
 
 class WorkerError(RuntimeError):
@@ -66,8 +70,10 @@ def _rebuild_worker_error(message, stream_id, worker, cause, retryable=False):
 class StreamWorker:
     """Produces chunks for the streams opened on it."""
 
-    def __init__(self, config: Config, plan: UnitPlan, name: str, *, prefault_bytes: int = 0):
+    def __init__(self, config: Config, plan: UnitPlan, name: str, *, prefault_bytes: int = 0,
+                 host_env: dict[str, str] | None = None):
         os.environ.update(WORKER_ENV)
+        os.environ.update({k: v for k, v in (host_env or {}).items() if k in HOST_ENV})
         one_cpu_producer()  # the actor reserves one CPU
         self._cpu = claim_cpu() if config.pin_workers else None
         # The first pages of Ray's object store (``prefault_object_store``), where this worker's

@@ -170,3 +170,29 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
                 page = __import__("os").sysconf("SC_PAGE_SIZE")
                 assert prefaulted == -(-pool.bytes_bound * 5 // 4 // page) * page
                 assert resident >= prefaulted
+
+
+def test_pool_workers_follow_the_hosts_cache_settings(ray_cluster, tmp_path, monkeypatch):
+    """INGEST_CACHE_DIR and INGEST_ROW_GROUP_CACHE_GB set where the pool is made reach its
+    workers, which Ray starts from its own environment (on other nodes too)."""
+    from actors.pool import WorkerPool
+    from actors.worker import HOST_ENV
+
+    write_parquet_corpus(tmp_path / "data", n_files=1, docs_per_file=20, row_group_size=10,
+                         seed=1)
+    cfg = Config(sources=(SourceConfig(paths=(str(tmp_path / "data"),)),), seq_len=16,
+                 global_batch_size=2, num_streams=2, unit_rows=5)
+    plan = build_plan(cfg)
+    want = {"INGEST_CACHE_DIR": str(tmp_path / "cache"), "INGEST_ROW_GROUP_CACHE_GB": "2.5"}
+    assert set(want) == set(HOST_ENV)
+    for k, v in want.items():
+        monkeypatch.setenv(k, v)
+    pool = WorkerPool(cfg, plan, [0, 1], num_workers=2, get_timeout_s=60)
+    try:
+        got = ray.get([w.__ray_call__.remote(
+            lambda self: ({k: __import__("os").environ.get(k) for k in HOST_ENV},
+                          __import__("ingest.spill").spill.budget_bytes()))
+            for w in pool._workers], timeout=60)
+    finally:
+        pool.close()
+    assert got == [(want, int(2.5 * 2**30))] * 2
