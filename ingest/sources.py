@@ -333,13 +333,12 @@ def _row_group_column(info: FileInfo, fs, local: str, group: int,
     global _row_group_bytes
     key = (info.path, info.size, info.content_key, group, column)
     col = _row_groups.get(key)
-    if col is None:
-        col = _spilled.get(key)
-        if col is not None:
-            _spilled.move_to_end(key)
-            return col
     if col is not None:
         _row_groups.move_to_end(key)
+        return col
+    col = _spilled.get(key)
+    if col is not None:
+        _spilled.move_to_end(key)
         return col
     # The plan's estimate of the group's decoded size says whether to look on disk first.
     large = info.group_bytes[group] > LARGE_GROUP_BYTES
