@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cache_root", "cached_by_files"]
+__all__ = ["cache_root", "cached_by_files", "write_atomically"]
 
 log = logging.getLogger("ingest.cache")
 
@@ -48,15 +48,27 @@ def cached_by_files(kind: str, files: list[str], build: Callable[[], Any]) -> An
     except Exception as e:  # noqa: BLE001 -- a damaged cache file is rebuilt
         log.warning("ignoring the unreadable cache file %s (%s: %s)", path, type(e).__name__, e)
     value = build()
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)  # atomic: concurrent workers never read a partial file
-    except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+
+    with contextlib.suppress(OSError):
+        write_atomically(path, dump)
     return value
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Makes ``path`` by ``write(tmp)`` to a temporary file beside it, then a rename: other
+    processes see the whole file or none. Raises OSError (the temporary file removed)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -21,12 +21,11 @@ import contextlib
 import hashlib
 import logging
 import os
-import tempfile
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ingest.cache import cache_root
+from ingest.cache import cache_root, write_atomically
 
 __all__ = ["budget_bytes", "folder", "load_spilled", "spill"]
 
@@ -87,17 +86,17 @@ def spill(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray | None:
     budget = budget_bytes()
     if budget == 0 or col.nbytes > budget // 2:
         return None
-    where, path, tmp = folder(), _path(key), None
+    where, path = folder(), _path(key)
+    table = pa.Table.from_arrays([col], names=["v"])
+
+    def write(tmp: str) -> None:
+        with pa.OSFile(tmp, "wb") as f, ipc.new_file(f, table.schema) as writer:
+            writer.write_table(table)
+
     try:
         os.makedirs(where, exist_ok=True)
         _evict(where, budget - col.nbytes, keep=path)
-        fd, tmp = tempfile.mkstemp(dir=where, suffix=".tmp")
-        os.close(fd)
-        table = pa.Table.from_arrays([col], names=["v"])
-        with pa.OSFile(tmp, "wb") as f, ipc.new_file(f, table.schema) as writer:
-            writer.write_table(table)
-        os.replace(tmp, path)  # atomic: concurrent workers never map a partial file
-        tmp = None
+        write_atomically(path, write)  # concurrent workers never map a partial file
     except OSError as e:
         if where not in _warned:
             _warned.add(where)
@@ -105,10 +104,6 @@ def spill(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray | None:
                         "are decoded again for each unit of them; set INGEST_CACHE_DIR to a "
                         "writable folder with space", where, type(e).__name__, e)
         return None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
     return load_spilled(key, len(col))
 
 
