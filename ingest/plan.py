@@ -179,10 +179,11 @@ def build_plan(config: Config) -> UnitPlan:
 
 
 def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:
-    """Logs the Parquet row groups that units split and that are too large to keep decoded in
-    memory: each is decoded once per machine and kept on disk (``ingest.spill``); past the
-    disk budget, once per unit of it, which is slow, so that is a warning."""
-    large = [(nbytes, info.path, g, rows) for info in files if info.format == "parquet"
+    """Logs the Parquet row groups (and JSONL files, each one group) that units split and that
+    are too large to keep decoded in memory: each is decoded once per machine and kept on disk
+    (``ingest.spill``); past the disk budget, once per unit of it, which is slow, so that is a
+    warning."""
+    large = [(nbytes, info.path, g, rows) for info in files if info.format in ("parquet", "jsonl")
              for g, (rows, nbytes) in enumerate(zip(info.row_groups, info.group_bytes,
                                                     strict=True))
              if nbytes > LARGE_GROUP_BYTES and rows > unit_rows]
@@ -191,10 +192,11 @@ def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:
     budget = spill.budget_bytes()  # raises on a malformed setting, here rather than in a worker
     total = sum(n for n, _, _, _ in large)
     nbytes, path, g, rows = max(large)
-    what = (f"{len(large)} Parquet row group(s) hold over {LARGE_GROUP_BYTES >> 20} MiB of "
-            f"text each ({total / 2**30:.2f} GiB in all; the largest {nbytes / 2**20:.0f} MiB, "
-            f"{rows} rows: {path}, row group {g}) and are read in units of unit_rows={unit_rows}")
-    fix = ("Writing the files with smaller row groups (pyarrow.parquet.write_table(..., "
+    what = (f"{len(large)} Parquet row group(s) or JSONL file(s) hold over "
+            f"{LARGE_GROUP_BYTES >> 20} MiB of text each ({total / 2**30:.2f} GiB in all; the "
+            f"largest {nbytes / 2**20:.0f} MiB, {rows} rows: {path}, row group {g}) and are read "
+            f"in units of unit_rows={unit_rows}")
+    fix = ("Writing Parquet files with smaller row groups (pyarrow.parquet.write_table(..., "
            "row_group_size=1024)) avoids it")
     if total > budget:
         log.warning("%s; decoded row groups are kept on disk only up to "

@@ -2,12 +2,14 @@
 
 Paths may be local files, directories (searched recursively), globs, or any URI that
 ``pyarrow.fs.FileSystem.from_uri`` accepts (``s3://``, ``gs://``, ``file://``...). Formats:
-Parquet, Arrow IPC file / Feather v2, and JSON Lines. A file's *row groups* are Parquet row
-groups, IPC record batches, or the whole file for JSONL; units never cross them.
+Parquet, Arrow IPC file / Feather v2, and JSON Lines (plain or compressed: ``.jsonl.gz``,
+``.json.zst``...). A file's *row groups* are Parquet row groups, IPC record batches, or the whole
+file for JSONL; units never cross them.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import fnmatch
@@ -17,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -24,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from ingest import spill
@@ -36,6 +40,8 @@ SUFFIXES = {
     ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
     ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
 }
+# JSON Lines may be compressed (``.jsonl.gz``, ``.json.zst``...): Arrow decompresses by suffix.
+COMPRESSED = (".gz", ".bz2", ".lz4", ".zst")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +93,10 @@ def _filesystem_for(root: str) -> pafs.FileSystem:
 def _format_of(path: str, forced: str | None) -> str | None:
     if forced:
         return forced
-    return SUFFIXES.get(os.path.splitext(path)[1].lower())
+    root, ext = os.path.splitext(path.lower())
+    if ext in COMPRESSED:
+        return "jsonl" if SUFFIXES.get(os.path.splitext(root)[1]) == "jsonl" else None
+    return SUFFIXES.get(ext)
 
 
 def _hidden(path: str) -> bool:
@@ -130,7 +139,7 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
                     continue
                 hits.append(prefix + i.path if is_uri else i.path)
             (found.extend(hits) if hits else missing.append(
-                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl file)"))
+                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
         else:
             missing.append(p)
     if missing:
@@ -161,8 +170,9 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
     fmt = _format_of(path, fmt)
     if fmt is None:
         raise BadInputError(
-            f"{path}: unknown file type; use .parquet, .arrow/.feather or .jsonl, or set "
-            f"sources[].format", reason="unknown_format", path=path)
+            f"{path}: unknown file type; use .parquet, .arrow/.feather or .jsonl (plain or "
+            f"{'/'.join(COMPRESSED)}), or set sources[].format", reason="unknown_format",
+            path=path)
     fs, local = _filesystem(path)
     try:
         size = fs.get_file_info(local).size
@@ -252,28 +262,20 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
     Values may be null or invalid UTF-8: the caller decides what is bad.
 
     Raises:
-      BadInputError: reason ``corrupt_file`` when the data cannot be read or decoded.
+      BadInputError: reason ``corrupt_file`` when the data cannot be read or decoded, or no
+        longer has the rows the plan counted.
     """
     if info.table is not None:
         col = info.table.column(text_column).slice(start, stop - start)
         return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
     fs, local = _filesystem(info.path)
     try:
-        if info.format == "parquet":
-            with _parquet_lock:
-                col = _row_group_column(info, fs, local, group, text_column)
-            col = col.slice(start, stop - start)
-            return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
-        if info.format == "arrow":
-            with fs.open_input_file(local) as f:
-                batch = ipc.open_file(f).get_batch(group)
-            return batch.column(text_column).slice(start, stop - start), None
-        texts, bad = _jsonl_rows(info, fs, local, text_column)
-        if texts and any(isinstance(t, list) for t in texts):
-            # A tokens_column: lists of ids (other rows are null or malformed).
-            return pa.array([t if isinstance(t, list) else None for t in texts[start:stop]],
-                            type=pa.list_(pa.int64())), bad[start:stop]
-        return pa.array(texts[start:stop], type=pa.binary()), bad[start:stop]
+        with _read_lock:
+            table = _group(info, fs, local, group, text_column)
+        col = table.column(0).slice(start, stop - start)
+        bad = numpy_view(table.column(1).slice(start, stop - start)) if table.num_columns > 1 \
+            else None
+        return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), bad
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -283,100 +285,190 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
             reason="corrupt_file", path=info.path) from e
 
 
-# Parquet files kept open with their parsed footers: a stream reads a file's units one after
-# another, and reopening cost a footer parse per unit (and a round trip per unit on object
-# stores). Keyed by content_key too, so a rewritten file is never read through a stale footer.
-_PARQUET_OPEN_FILES = 8
-_parquet_lock = threading.Lock()
-_parquet_files: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+# Files kept open with their parsed footers (Parquet) or memory-mapped (local Arrow IPC): a
+# stream reads a file's units one after another, and reopening cost a footer parse per unit
+# (and a round trip per unit on object stores). Keyed by content_key too, so a rewritten file
+# is never read through a stale footer.
+_OPEN_FILES = 8
+_read_lock = threading.Lock()
+_open_files: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
 
-def _parquet_file(info: FileInfo, fs, local: str) -> pq.ParquetFile:
-    """An open ParquetFile for ``info`` (call with ``_parquet_lock`` held)."""
+def _open(info: FileInfo, fs, local: str):
+    """An open ParquetFile or IPC file reader for ``info`` (call with ``_read_lock`` held)."""
     key = (info.path, info.size, info.content_key)
-    hit = _parquet_files.get(key)
+    hit = _open_files.get(key)
     if hit is not None:
-        _parquet_files.move_to_end(key)
+        _open_files.move_to_end(key)
         return hit[1]
-    f = fs.open_input_file(local)
+    # A local IPC file is memory-mapped: its uncompressed batches are read without a copy.
+    f = pa.memory_map(local) if info.format == "arrow" and _is_local(fs) else \
+        fs.open_input_file(local)
     try:
-        pf = pq.ParquetFile(f)
+        reader = pq.ParquetFile(f) if info.format == "parquet" else ipc.open_file(f)
     except BaseException:
         f.close()
         raise
-    _parquet_files[key] = (f, pf)
-    while len(_parquet_files) > _PARQUET_OPEN_FILES:
-        old_f, _ = _parquet_files.popitem(last=False)[1]
+    _open_files[key] = (f, reader)
+    while len(_open_files) > _OPEN_FILES:
+        old_f, _ = _open_files.popitem(last=False)[1]
         old_f.close()
-    return pf
+    return reader
 
 
-# Decoded row groups, most recent first, up to this many bytes per process. Units are often
-# parts of a row group (unit_rows below the file's row group size), and each reads the whole
-# group: on the tiny-document benchmark (2,048-row groups, 256-row units) the decoding was
-# 14% of a worker's time. A worker's streams read a group's units at different times, so the
-# cache helps as far as it holds the groups in use; 64 MiB keeps workers' memory bounded.
-# Groups over a quarter of it go to disk once per machine instead (ingest.spill) and are
-# memory-mapped from there: a worker maps at most _SPILLED_MAPPED of them at a time.
+def _is_local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+# Decoded groups (Parquet row groups, IPC batches read into memory, parsed JSONL files) as
+# tables whose first column is the text column, most recent last, up to this many bytes per
+# process. Units are often parts of a group (unit_rows below the group's rows), and each reads
+# the whole group: on the tiny-document benchmark (2,048-row groups, 256-row units) the
+# decoding was 14% of a worker's time. A worker's streams read a group's units at different
+# times, so the cache helps as far as it holds the groups in use; 64 MiB keeps workers' memory
+# bounded. Groups over a quarter of it go to disk once per machine instead (ingest.spill) and
+# are memory-mapped from there: a worker maps at most _SPILLED_MAPPED of them at a time.
 _ROW_GROUP_CACHE_BYTES = 64 * 2**20
 LARGE_GROUP_BYTES = _ROW_GROUP_CACHE_BYTES // 4
 _SPILLED_MAPPED = 32
-_row_groups: collections.OrderedDict[tuple, pa.ChunkedArray] = collections.OrderedDict()
+_row_groups: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 _row_group_bytes = 0  # sum of nbytes over _row_groups (a running total: summing per insert
 # cost 2.5% of a worker's produce time on the demo)
-_spilled: collections.OrderedDict[tuple, pa.ChunkedArray] = collections.OrderedDict()
+_spilled: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 
 
-def _row_group_column(info: FileInfo, fs, local: str, group: int,
-                      column: str) -> pa.ChunkedArray:
-    """Column ``column`` of row group ``group`` (call with ``_parquet_lock`` held)."""
+def _group(info: FileInfo, fs, local: str, group: int, column: str) -> pa.Table:
+    """Group ``group`` of ``info``: a table of column ``column`` and, for a JSONL file with
+    malformed lines, their reason codes (call with ``_read_lock`` held)."""
     global _row_group_bytes
     key = (info.path, info.size, info.content_key, group, column)
-    col = _row_groups.get(key)
-    if col is not None:
+    table = _row_groups.get(key)
+    if table is not None:
         _row_groups.move_to_end(key)
-        return col
-    col = _spilled.get(key)
-    if col is not None:
+        return table
+    table = _spilled.get(key)
+    if table is not None:
         _spilled.move_to_end(key)
-        return col
+        return table
+    rows = info.row_groups[group]
     # The plan's estimate of the group's decoded size says whether to look on disk first.
     large = info.group_bytes[group] > LARGE_GROUP_BYTES
-    if large and (col := spill.load_spilled(key, info.row_groups[group])) is not None:
-        return _keep_mapped(key, col)
-    col = _parquet_file(info, fs, local).read_row_group(
-        group, columns=[column], use_threads=False).column(0)
-    if col.nbytes <= LARGE_GROUP_BYTES:
-        _row_groups[key] = col
-        _row_group_bytes += col.nbytes
+    if large and (table := spill.load_spilled(key, rows)) is not None:
+        return _keep_mapped(key, table)
+    if info.format == "jsonl":
+        table = _jsonl_table(info, fs, local, column)
+    else:
+        reader = _open(info, fs, local)
+        if info.format == "parquet":
+            table = reader.read_row_group(group, columns=[column], use_threads=False)
+        else:
+            batch = reader.get_batch(group)
+            table = pa.Table.from_batches([batch.select([column])])
+            if _is_local(fs) and _mapped(batch.select([column]), info):
+                return table  # points into the mapped file: nothing to keep
+    if table.num_rows != rows:
+        raise BadInputError(
+            f"{info.path}: row group {group} has {table.num_rows} rows, and had {rows} when "
+            f"the plan was built: the file changed since; restart the job to plan afresh, or "
+            f"set on_bad_file: skip", reason="corrupt_file", path=info.path)
+    if table.nbytes <= LARGE_GROUP_BYTES:
+        _row_groups[key] = table
+        _row_group_bytes += table.nbytes
         while _row_group_bytes > _ROW_GROUP_CACHE_BYTES:
             _row_group_bytes -= _row_groups.popitem(last=False)[1].nbytes
-    elif large and (mapped := spill.spill(key, col)) is not None:
+    elif large and (mapped := spill.spill(key, table)) is not None:
         return _keep_mapped(key, mapped)
-    return col
+    return table
 
 
-def _keep_mapped(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray:
-    _spilled[key] = col
+def _mapped(batch: pa.RecordBatch, info: FileInfo) -> bool:
+    """Whether ``batch``'s buffers lie in ``info``'s memory-mapped file (not a compressed
+    batch, which the reader decompressed into memory)."""
+    f = _open_files[(info.path, info.size, info.content_key)][0]
+    at = f.tell()
+    f.seek(0)
+    base = f.read_buffer(1).address
+    f.seek(at)
+    end = base + f.size()
+    return all(base <= b.address and b.address + b.size <= end
+               for b in batch.column(0).buffers() if b is not None)
+
+
+def _keep_mapped(key: tuple, table: pa.Table) -> pa.Table:
+    _spilled[key] = table
     while len(_spilled) > _SPILLED_MAPPED:
         _spilled.popitem(last=False)  # unmapped once no unit's array points into it
-    return col
+    return table
 
 
-_jsonl_lock = threading.Lock()
-_jsonl_cache: dict[tuple, tuple[list, np.ndarray]] = {}
-
-
-def _jsonl_rows(info: FileInfo, fs, local: str, text_column: str) -> tuple[list, np.ndarray]:
-    """All rows of a JSONL file as UTF-8 bytes (None for null), and a per-row mask of
-    malformed lines. Keeps the last file parsed, since its units are slices of one parse."""
-    st = fs.get_file_info(local)
-    key = (info.path, st.size, st.mtime_ns, text_column)
-    with _jsonl_lock:
-        if key in _jsonl_cache:
-            return _jsonl_cache[key]
+def _jsonl_table(info: FileInfo, fs, local: str, column: str) -> pa.Table:
+    """A JSONL file's ``column``, one row per line, and the reason codes of malformed lines
+    (a second column, only if there are any). Compressed files (``.jsonl.gz``, ``.zst``...)
+    are decompressed by their suffix."""
     with fs.open_input_stream(local) as f:
         data = f.read()
+    table = _jsonl_by_arrow(data, column, info.row_groups[0])
+    if table is not None:
+        return table
+    texts, bad = _jsonl_rows(info, data, column)
+    if texts and any(isinstance(t, list) for t in texts):
+        # A tokens_column: lists of ids (other rows are null or malformed).
+        arr = pa.array([t if isinstance(t, list) else None for t in texts],
+                       type=pa.list_(pa.int64()))
+    else:
+        arr = pa.array(texts, type=pa.binary())
+    if not bad.any():
+        return pa.table({"v": arr})
+    return pa.table({"v": arr, "bad": pa.array(bad, type=pa.int8())})
+
+
+_BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")
+
+
+def _jsonl_by_arrow(data: bytes, column: str, rows: int) -> pa.Table | None:
+    """``column`` parsed by Arrow's JSON reader (5x faster than ``json.loads`` per line on
+    short documents), when that is exactly what the line-by-line parser gives: valid UTF-8,
+    each of the ``rows`` lines one JSON object holding the column as a string (or a list of
+    integers), never null. None otherwise: the slow parser finds and names the bad lines.
+
+    Arrow skips blank lines and reads ``{..} {..}`` on one line as two rows, so with no blank
+    line, as many rows as lines means one object per line.
+    """
+    first = data[:data.find(b"\n")] if b"\n" in data else data
+    if (_BLANK_LINE.search(data) or not first.strip(b" \t\r")
+            or not data.rsplit(b"\n", 1)[-1].strip(b" \t\r") and not data.endswith(b"\n")):
+        return None
+    offsets = pa.py_buffer(np.array([0, len(data)], dtype=np.int64))
+    try:
+        pa.LargeStringArray.from_buffers(1, offsets, pa.py_buffer(data)).validate(full=True)
+        value = json.loads(first.removeprefix(codecs.BOM_UTF8)).get(column)
+    except (pa.ArrowInvalid, ValueError, AttributeError):
+        return None
+    kind = pa.list_(pa.int64()) if isinstance(value, list) else pa.string()
+    parse = pj.ParseOptions(explicit_schema=pa.schema([(column, kind)]),
+                            unexpected_field_behavior="ignore")
+    for block in (1 << 20, min(len(data) + 1, 2**31 - 1)):  # a longer line needs one block
+        try:
+            table = pj.read_json(pa.BufferReader(data), parse_options=parse,
+                                 read_options=pj.ReadOptions(use_threads=False,
+                                                             block_size=block))
+            break
+        except pa.ArrowInvalid as e:
+            if "straddl" not in str(e) or block > len(data):
+                return None
+    else:
+        return None
+    col = table.column(0)
+    if table.num_rows != rows or col.null_count or (
+            kind != pa.string() and pc.list_flatten(col).null_count):
+        return None
+    return pa.table({"v": col})
+
+
+def _jsonl_rows(info: FileInfo, data: bytes, text_column: str) -> tuple[list, np.ndarray]:
+    """All rows of a JSONL file as UTF-8 bytes (None for null), or lists of token ids, and
+    per row the reason code of a malformed line (else 0), parsed a line at a time."""
+    data = data.removeprefix(codecs.BOM_UTF8)
     texts: list = []
     bad = np.zeros(data.count(b"\n") + 1, dtype=np.int8)
     for lineno, line in enumerate(io.BytesIO(data)):
@@ -408,11 +500,7 @@ def _jsonl_rows(info: FileInfo, fs, local: str, text_column: str) -> tuple[list,
                 f"{type(value).__name__}, expected a string", reason="column_type",
                 path=info.path, row=lineno)
         texts.append(None if value is None else value.encode("utf-8", "surrogatepass"))
-    bad = bad[:len(texts)]
-    with _jsonl_lock:
-        _jsonl_cache.clear()
-        _jsonl_cache[key] = (texts, bad)
-    return texts, bad
+    return texts, bad[:len(texts)]
 
 
 def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:

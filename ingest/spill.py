@@ -8,6 +8,8 @@ to a million rows in a group) took 83 s to read as 8-row units against 1.9 s for
 documents in 1,024-row groups. Here such a group is decoded once per machine, written
 uncompressed as an Arrow IPC file under the cache folder, and memory-mapped: a unit then
 copies only its own rows, in every worker process on the machine, every epoch and every run.
+The same holds for a large JSON Lines file (one group, parsed once per machine) and a large
+compressed IPC record batch.
 
 The files take the decoded text's size on disk, at most ``$INGEST_ROW_GROUP_CACHE_GB`` GiB
 (default 16; 0 turns this off) in all: the least recently used go first. Like every cache here,
@@ -56,8 +58,8 @@ def _path(key: tuple) -> str:
     return os.path.join(folder(), hashlib.sha256(repr(key).encode()).hexdigest()[:32] + _SUFFIX)
 
 
-def load_spilled(key: tuple, rows: int) -> pa.ChunkedArray | None:
-    """The spilled column for ``key`` (any picklable tuple naming file, group and column),
+def load_spilled(key: tuple, rows: int) -> pa.Table | None:
+    """The spilled table for ``key`` (any picklable tuple naming file, group and column),
     memory-mapped; None if there is none or it is not ``rows`` rows (then it is removed)."""
     path = _path(key)
     try:
@@ -66,9 +68,8 @@ def load_spilled(key: tuple, rows: int) -> pa.ChunkedArray | None:
         return None
     try:
         table = ipc.open_file(source).read_all()  # zero-copy: the arrays point into the map
-        if table.num_rows != rows or table.num_columns != 1:
-            raise ValueError(f"{table.num_rows} rows, {table.num_columns} columns; "
-                             f"expected {rows} rows, 1 column")
+        if table.num_rows != rows:
+            raise ValueError(f"{table.num_rows} rows; expected {rows}")
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
         log.warning("removing the damaged row-group cache file %s (%s: %s)", path,
                     type(e).__name__, e)
@@ -77,17 +78,16 @@ def load_spilled(key: tuple, rows: int) -> pa.ChunkedArray | None:
         return None
     with contextlib.suppress(OSError):
         os.utime(path)  # recently used: evicted last
-    return table.column(0)
+    return table
 
 
-def spill(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray | None:
-    """Writes ``col`` for ``key`` and returns it memory-mapped from disk; None when the cache
-    is off, or the column is over the budget, or the folder cannot be written."""
+def spill(key: tuple, table: pa.Table) -> pa.Table | None:
+    """Writes ``table`` for ``key`` and returns it memory-mapped from disk; None when the
+    cache is off, or the table is over half the budget, or the folder cannot be written."""
     budget = budget_bytes()
-    if budget == 0 or col.nbytes > budget // 2:
+    if budget == 0 or table.nbytes > budget // 2:
         return None
     where, path = folder(), _path(key)
-    table = pa.Table.from_arrays([col], names=["v"])
 
     def write(tmp: str) -> None:
         with pa.OSFile(tmp, "wb") as f, ipc.new_file(f, table.schema) as writer:
@@ -95,7 +95,7 @@ def spill(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray | None:
 
     try:
         os.makedirs(where, exist_ok=True)
-        _evict(where, budget - col.nbytes, keep=path)
+        _evict(where, budget - table.nbytes, keep=path)
         write_atomically(path, write)  # concurrent workers never map a partial file
     except OSError as e:
         if where not in _warned:
@@ -104,7 +104,7 @@ def spill(key: tuple, col: pa.ChunkedArray) -> pa.ChunkedArray | None:
                         "are decoded again for each unit of them; set INGEST_CACHE_DIR to a "
                         "writable folder with space", where, type(e).__name__, e)
         return None
-    return load_spilled(key, len(col))
+    return load_spilled(key, table.num_rows)
 
 
 def _evict(folder: str, allowed: int, *, keep: str) -> None:

@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
+import pyarrow.ipc  # noqa: F401 -- pa.ipc
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import FIELDS, Config, SourceConfig, Stream, build_plan
+from ingest import FIELDS, Config, SourceConfig, Stream, build_plan, sources
 from ingest.tokenize import load_tokenizer
 
 # Ordinary English words, so that the real BPE tokenizers give multi-token documents.
@@ -92,6 +93,28 @@ def write_parquet_corpus(directory, n_files: int, docs_per_file: int, row_group_
         write_parquet(directory / f"part-{i:05d}.parquet", texts, row_group_size=row_group_size)
         per_file.append(texts)
     return per_file
+
+
+def write_ipc(path, texts: Sequence[str], *, batch_size: int, compression: str | None = None,
+              column: str = "text") -> str:
+    """Writes an Arrow IPC file of ``batch_size``-row record batches, buffers compressed with
+    ``compression`` (``zstd``, ``lz4``) or not."""
+    table = pa.table({column: pa.array(list(texts), type=pa.string())})
+    options = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_file(str(path), table.schema, options=options) as writer:
+        writer.write_table(table, max_chunksize=batch_size)
+    return str(path)
+
+
+def forget_decoded() -> None:
+    """This process's decoded groups and open files, as in a fresh worker process."""
+    with sources._read_lock:
+        sources._row_groups.clear()
+        sources._row_group_bytes = 0
+        sources._spilled.clear()
+        for f, _ in sources._open_files.values():
+            f.close()
+        sources._open_files.clear()
 
 
 def make_config(paths: Sequence[str], **overrides: Any) -> Config:

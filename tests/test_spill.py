@@ -1,4 +1,5 @@
-"""Large Parquet row groups: decoded once per machine, kept on disk, each unit reads its rows."""
+"""Large row groups and JSONL files: decoded once per machine, kept on disk, each unit
+reads its rows."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ingest import Stream, build_plan, sources, spill
+from ingest import Stream, build_plan, spill
 from ingest.sources import LARGE_GROUP_BYTES, read_texts
-from tests.helpers import WORDS, drain, make_config, write_parquet
+from tests.helpers import (
+    WORDS,
+    drain,
+    forget_decoded,
+    make_config,
+    write_jsonl,
+    write_parquet,
+)
 
 DOC_CHARS = 4096
 
@@ -25,24 +33,13 @@ def _large_texts(seed: int) -> list[str]:
     return [f"{seed}:{i:06d} " + base[(i * 37) % DOC_CHARS:][:DOC_CHARS] for i in range(n)]
 
 
-def _forget_decoded() -> None:
-    """This process's decoded groups and open files, as in a fresh worker process."""
-    with sources._parquet_lock:
-        sources._row_groups.clear()
-        sources._row_group_bytes = 0
-        sources._spilled.clear()
-        for f, _ in sources._parquet_files.values():
-            f.close()
-        sources._parquet_files.clear()
-
-
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("INGEST_ROW_GROUP_CACHE_GB", raising=False)
-    _forget_decoded()
+    forget_decoded()
     yield tmp_path / "cache" / "row-groups"
-    _forget_decoded()
+    forget_decoded()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +70,7 @@ def test_a_large_group_is_decoded_once_and_then_read_from_disk(large_file, cache
     assert os.path.getsize(cache_dir / files[0]) >= LARGE_GROUP_BYTES
 
     # A fresh process reads every unit from the disk copy: the Parquet file is not opened.
-    _forget_decoded()
+    forget_decoded()
     moved = str(tmp_path / "moved.parquet")
     os.rename(path, moved)
     try:
@@ -94,7 +91,7 @@ def test_streams_give_the_same_rows_with_the_disk_copy_and_without(large_file, c
     with_disk = [drain(Stream(config, plan, s), n_rows=64) for s in range(2)]
     assert len(os.listdir(cache_dir)) == 1
 
-    _forget_decoded()
+    forget_decoded()
     monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "0")  # off: decoded for every unit
     without = [drain(Stream(config, plan, s), n_rows=64) for s in range(2)]
     for a, b in zip(with_disk, without, strict=True):
@@ -102,8 +99,8 @@ def test_streams_give_the_same_rows_with_the_disk_copy_and_without(large_file, c
     assert sum(x.shape[1] for x in without) > 100
 
 
-def _column(i: int, n: int = 200) -> pa.ChunkedArray:
-    return pa.chunked_array([pa.array([f"c{i}-{j}" * 8 for j in range(n)])])
+def _column(i: int, n: int = 200) -> pa.Table:
+    return pa.table({"v": [f"c{i}-{j}" * 8 for j in range(n)]})
 
 
 def test_the_disk_copies_stay_within_the_budget_least_recently_used_first(cache_dir,
@@ -146,7 +143,7 @@ def test_an_unwritable_cache_folder_falls_back_to_decoding(large_file, tmp_path,
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder would be")
     monkeypatch.setenv("INGEST_CACHE_DIR", str(blocker))
-    _forget_decoded()
+    forget_decoded()
     try:
         plan = build_plan(make_config([path], unit_rows=256))
         u = plan.units[5]
@@ -157,7 +154,7 @@ def test_an_unwritable_cache_folder_falls_back_to_decoding(large_file, tmp_path,
                    in r.getMessage() for r in caplog.records)
     finally:
         spill._warned.clear()
-        _forget_decoded()
+        forget_decoded()
 
 
 def test_a_malformed_budget_is_an_error_at_plan_time(large_file, cache_dir, monkeypatch):
@@ -172,3 +169,25 @@ def test_a_large_group_past_the_budget_is_a_warning(large_file, cache_dir, monke
         build_plan(make_config([large_file[0]], unit_rows=256))
     assert any("decoded again for each unit" in r.getMessage() and "row_group_size" in
                r.getMessage() for r in caplog.records)
+
+
+def test_a_large_jsonl_file_is_parsed_once_and_then_read_from_disk(cache_dir, tmp_path, caplog):
+    texts = _large_texts(1)
+    path = write_jsonl(tmp_path / "big.jsonl", texts)
+    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+        plan = build_plan(make_config([path], unit_rows=256))
+    assert any("JSONL" in r.getMessage() and path in r.getMessage() for r in caplog.records)
+    info, units = plan.files[0], plan.units
+    arr, bad = read_texts(info, 0, units[2].row_start, units[2].row_end, "text")
+    assert arr.to_pylist() == texts[units[2].row_start:units[2].row_end] and bad is None
+    assert len(os.listdir(cache_dir)) == 1
+
+    forget_decoded()
+    moved = str(tmp_path / "moved.jsonl")
+    os.rename(path, moved)
+    try:
+        for u in units:
+            arr, _ = read_texts(info, 0, u.row_start, u.row_end, "text")
+            assert arr.to_pylist() == texts[u.row_start:u.row_end], (u.row_start, u.row_end)
+    finally:
+        os.rename(moved, path)

@@ -1,0 +1,198 @@
+"""JSON Lines (plain and compressed) and Arrow IPC sources: each file parsed or decoded once per
+process, Arrow's JSON reader exactly where it agrees with the line-by-line parser, and files that
+changed after the plan was built caught."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ingest import BadInputError, Stream, build_plan, sources
+from ingest.sources import decode_texts, describe_file, read_texts
+from tests.helpers import (
+    all_streams,
+    drain,
+    forget_decoded,
+    make_config,
+    make_texts,
+    split_documents,
+    stream_tokens,
+    tokenize,
+    write_ipc,
+    write_jsonl,
+    write_parquet,
+)
+
+EOS = 50256  # gpt2's <|endoftext|>
+
+# Kinds of JSONL line. The clean ones the Arrow reader takes as they are; any other in a file
+# sends the whole file to the line-by-line parser, which names each bad line.
+CLEAN = {
+    "plain": lambda i: json.dumps({"text": f"doc {i} plain words", "id": i}),
+    "unicode": lambda i: json.dumps({"text": f"naïve café {i} 日本 🙂\n\"q\"\t"},
+                                    ensure_ascii=False),
+    "escaped": lambda i: json.dumps({"text": f"naïve {i} \ud83d\ude42 \u0000 end"}),
+    "nested": lambda i: json.dumps({"meta": {"k": [1, "s", None, {"z": True}]}, "text": f"n{i}"}),
+    "empty_text": lambda i: json.dumps({"text": ""}),
+    "nan_field": lambda i: f'{{"text": "nan {i}", "score": NaN}}',
+    "crlf": lambda i: json.dumps({"text": f"crlf {i}"}) + "\r",
+}
+UNCLEAN = {
+    "blank": lambda i: "",
+    "spaces": lambda i: "  \t",
+    "bad_json": lambda i: f'{{"text": "unterminated {i}"',
+    "not_object": lambda i: "[1, 2]",
+    "null_text": lambda i: '{"text": null}',
+    "two_objects": lambda i: f'{{"text": "a{i}"}} {{"text": "b"}}',
+    "lone_surrogate": lambda i: f'{{"text": "half \\ud800 pair {i}"}}',
+    "invalid_utf8": lambda i: b'{"text": "latin-1 caf\xe9 %d"}' % i,
+}
+
+
+def _file(rng: random.Random) -> tuple[bytes, bool]:
+    """A random JSONL file and whether every line is clean."""
+    kinds = [rng.choice(list(CLEAN)) if rng.random() < 0.8 else rng.choice(list(UNCLEAN))
+             for _ in range(rng.randint(1, 10))]
+    lines = [{**CLEAN, **UNCLEAN}[k](i) for i, k in enumerate(kinds)]
+    data = b"\n".join(x if isinstance(x, bytes) else x.encode("utf-8", "surrogatepass")
+                      for x in lines)
+    if rng.random() < 0.7:
+        data += b"\n"
+    elif kinds[-1] in ("blank", "spaces"):
+        data += b"\n"  # an unterminated blank last line is no line to the plan's count
+    if rng.random() < 0.2:
+        data = b"\xef\xbb\xbf" + data
+    return data, all(k in CLEAN for k in kinds)
+
+
+def _outcomes(table: pa.Table) -> list[tuple[str | None, int]]:
+    """Per row: the text a stream would tokenize (None for a bad one) and the reason code."""
+    texts, codes = decode_texts(table.column(0).combine_chunks())
+    if table.num_columns > 1:
+        pre = table.column(1).to_numpy()
+        codes = np.where(pre != 0, pre, codes)
+    return [(t if c == 0 else None, int(c)) for t, c in zip(texts, codes, strict=True)]
+
+
+def test_arrow_json_reader_gives_exactly_the_line_parser_rows(tmp_path, monkeypatch):
+    rng = random.Random(5)
+    fast_used = 0
+    for case in range(300):
+        data, clean = _file(rng)
+        path = tmp_path / f"c{case}.jsonl"
+        path.write_bytes(data)
+        info = describe_file(str(path), None, "text")
+        fs, local = sources._filesystem(str(path))
+        fast = sources._jsonl_by_arrow(data, "text", info.num_rows)
+        assert (fast is not None) == clean, (case, data)
+        fast_used += fast is not None
+        got = _outcomes(sources._jsonl_table(info, fs, local, "text"))
+        with monkeypatch.context() as m:
+            m.setattr(sources, "_jsonl_by_arrow", lambda *a: None)
+            want = _outcomes(sources._jsonl_table(info, fs, local, "text"))
+        assert got == want, (case, data)
+        assert len(got) == info.num_rows
+    assert 50 < fast_used < 280, fast_used
+
+
+def test_a_line_longer_than_arrows_block_is_read_whole(tmp_path):
+    texts = ["short one", "x" * (3 << 20), "short two"]
+    path = write_jsonl(tmp_path / "long.jsonl", texts)
+    data = open(path, "rb").read()
+    table = sources._jsonl_by_arrow(data, "text", 3)
+    assert table is not None and table.column(0).to_pylist() == texts
+
+
+def test_token_id_lists_take_the_arrow_path_and_bad_ones_are_errors(tmp_path):
+    good = tmp_path / "ids.jsonl"
+    good.write_text('{"ids": [1, 2, 3]}\n{"ids": []}\n{"ids": [50256]}\n')
+    table = sources._jsonl_by_arrow(good.read_bytes(), "ids", 3)
+    assert table.column(0).to_pylist() == [[1, 2, 3], [], [50256]]
+    for line in ('{"ids": [1, null]}', '{"ids": [1.5]}', '{"ids": [true]}', '{"ids": "text"}'):
+        data = b'{"ids": [7]}\n' + line.encode() + b"\n"
+        assert sources._jsonl_by_arrow(data, "ids", 2) is None, line
+
+
+def test_each_jsonl_file_is_parsed_once_however_streams_interleave(tmp_path, monkeypatch):
+    files = [write_jsonl(tmp_path / f"p{i}.jsonl", make_texts(40, i)) for i in range(4)]
+    config = make_config(files, unit_rows=4, num_streams=8, global_batch_size=8)
+    plan = build_plan(config)
+    assert len(plan.units) == 40
+    parsed = Counter()
+    real = sources._jsonl_table
+
+    def counting(info, *args):
+        parsed[info.path] += 1
+        return real(info, *args)
+
+    monkeypatch.setattr(sources, "_jsonl_table", counting)
+    forget_decoded()
+    try:
+        streams = [Stream(config, plan, s) for s in range(8)]
+        while any(s.produce(1).num_rows for s in streams):  # every stream a row at a time
+            pass
+    finally:
+        forget_decoded()
+    # The single file kept before made each unit of another file parse it again.
+    assert parsed == Counter(files), parsed
+
+
+def test_compressed_jsonl_is_found_and_read_like_plain(tmp_path):
+    texts = [make_texts(9, i) for i in range(4)]
+    (tmp_path / "plain").mkdir()
+    plain = write_jsonl(tmp_path / "plain" / "a.jsonl", texts[0])
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, codec, t in (("b.jsonl.gz", "gzip", texts[1]), ("c.json.zst", "zstd", texts[2]),
+                           ("d.ndjson.bz2", "bz2", texts[3])):
+        raw = "".join(json.dumps({"text": x}) + "\n" for x in t).encode()
+        with pa.CompressedOutputStream(str(src / name), codec) as f:
+            f.write(raw)
+    (src / "notes.txt.gz").write_bytes(gzip.compress(b"not a corpus file"))
+    config = make_config([plain, str(src)], unit_rows=4)
+    plan = build_plan(config)
+    assert [f.path.rsplit("/", 1)[1] for f in plan.files] == [
+        "a.jsonl", "b.jsonl.gz", "c.json.zst", "d.ndjson.bz2"]
+    assert [f.num_rows for f in plan.files] == [9, 9, 9, 9]
+    docs = split_documents(stream_tokens(drain(Stream(config, plan, 0), 4)), EOS)
+    assert Counter(map(tuple, docs)) == Counter(map(tuple, tokenize(sum(texts, []))))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd", "lz4"])
+def test_ipc_files_compressed_or_not_give_the_rows_of_parquet(tmp_path, compression):
+    texts = make_texts(30, seed=3)
+    ipc = write_ipc(tmp_path / "t.arrow", texts, batch_size=8, compression=compression)
+    parquet = write_parquet(tmp_path / "t.parquet", texts, row_group_size=8)
+    forget_decoded()
+    try:
+        for path in (ipc, parquet):
+            config = make_config([path], unit_rows=3, num_streams=2)
+            docs = [d for f in all_streams(config) for d in split_documents(stream_tokens(f), EOS)]
+            assert Counter(map(tuple, docs)) == Counter(map(tuple, tokenize(texts))), path
+        one = [drain(Stream(make_config([p], unit_rows=3), build_plan(make_config([p], unit_rows=3)),
+                            0), 2) for p in (ipc, parquet)]
+        np.testing.assert_array_equal(one[0], one[1])
+        # An uncompressed batch is read in place from the memory-mapped file; a compressed one
+        # is decompressed once and kept with the decoded Parquet row groups.
+        kept = {k[0] for k in sources._row_groups}
+        assert (ipc in kept) == (compression is not None), kept
+    finally:
+        forget_decoded()
+
+
+def test_a_file_changed_after_planning_is_an_error_not_other_rows(tmp_path):
+    path = write_parquet(tmp_path / "a.parquet", make_texts(10, 1))
+    config = make_config([path], unit_rows=4)
+    plan = build_plan(config)
+    write_parquet(path, make_texts(12, 2))
+    forget_decoded()  # a worker started after the change
+    with pytest.raises(BadInputError) as e:
+        read_texts(plan.files[0], 0, 0, 4, "text")
+    assert e.value.reason == "corrupt_file" and e.value.path == path
+    assert "12 rows" in str(e.value) and "10 when the plan was built" in str(e.value)
