@@ -22,11 +22,13 @@ and reading order random. With ``shuffle: false`` units are dealt in file order,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import heapq
 import json
 import logging
+import time
 
 import numpy as np
 
@@ -108,31 +110,29 @@ def build_plan(config: Config) -> UnitPlan:
     file_source: list[int] = []
     skipped: list[tuple[str, str, str]] = []
     missing: list[str] = []
+    jobs: list[tuple[int, str | FileInfo]] = []  # (source, path or an in-memory table's info)
     for si, src in enumerate(config.sources):
-        tokens = src.tokens_column is not None
         if src.table is not None:
-            files.append(describe_table(f"memory:sources[{si}]", src.table, src.column,
-                                        src.table_key(), tokens=tokens))
-            file_source.append(si)
+            jobs.append((si, describe_table(f"memory:sources[{si}]", src.table, src.column,
+                                            src.table_key(),
+                                            tokens=src.tokens_column is not None)))
             continue
         try:
-            paths = list_files(src.paths, src.format)
+            jobs.extend((si, p) for p in list_files(src.paths, src.format))
         except FileNotFoundError as e:
             missing.append(f"sources[{si}]: {e}")
-            continue
-        for p in paths:
-            try:
-                info = describe_file(p, src.format, src.column, tokens=tokens)
-            except BadInputError as e:
-                # A missing or mistyped column is a config mistake, never skipped silently.
-                if config.on_bad_file == "skip" and e.reason == "corrupt_file":
-                    skipped.append((p, e.reason, str(e)))
-                    continue
-                raise
-            files.append(info)
-            file_source.append(si)
     if missing:
         raise FileNotFoundError("\n".join(missing))
+    # _describe_all stops at the first error raised here, so it may be the shorter.
+    for (si, p), info in zip(jobs, _describe_all(config, jobs), strict=False):
+        if isinstance(info, BadInputError):
+            # A missing or mistyped column is a config mistake, never skipped silently.
+            if config.on_bad_file == "skip" and info.reason == "corrupt_file":
+                skipped.append((p, info.reason, str(info)))
+                continue
+            raise info
+        files.append(info)
+        file_source.append(si)
 
     units: list[Unit] = []
     for fi, info in enumerate(files):
@@ -176,6 +176,46 @@ def build_plan(config: Config) -> UnitPlan:
                     units=tuple(units), skipped_files=tuple(skipped),
                     fingerprint=hashlib.sha256(blob.encode()).hexdigest()[:16],
                     pretokenized=tuple(s.tokens_column is not None for s in config.sources))
+
+
+_DESCRIBE_THREADS = 16
+_PROGRESS_EVERY_S = 10.0
+
+
+def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]]
+                  ) -> list[FileInfo | BadInputError]:
+    """Each job's FileInfo (or its BadInputError), in order, up to the first error that is
+    not skipped. Files are read by a pool of threads, since each costs round trips on object
+    stores (Parquet and IPC footers) or a whole read (JSONL). Logs progress on long plans.
+    """
+    def describe(job: tuple[int, str | FileInfo]) -> FileInfo | BadInputError:
+        si, p = job
+        if isinstance(p, FileInfo):
+            return p
+        src = config.sources[si]
+        try:
+            return describe_file(p, src.format, src.column, tokens=src.tokens_column is not None)
+        except BadInputError as e:
+            return e
+
+    out: list[FileInfo | BadInputError] = []
+    start = last = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(_DESCRIBE_THREADS, len(jobs))),
+                                               thread_name_prefix="ingest-plan") as pool:
+        for future in [pool.submit(describe, job) for job in jobs]:
+            out.append(info := future.result())
+            if isinstance(info, BadInputError) and not (config.on_bad_file == "skip"
+                                                        and info.reason == "corrupt_file"):
+                pool.shutdown(cancel_futures=True)  # this error ends the plan
+                break
+            if time.monotonic() - last > _PROGRESS_EVERY_S:
+                last = time.monotonic()
+                log.info("planning: read the metadata of %d of %d files (%.0f s)", len(out),
+                         len(jobs), last - start)
+    if last > start:
+        log.info("planning: read the metadata of %d files in %.1f s", len(jobs),
+                 time.monotonic() - start)
+    return out
 
 
 def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:

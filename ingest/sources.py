@@ -195,11 +195,8 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
-            with fs.open_input_stream(local) as f:
-                data = f.read()
-            n = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
-            rows, nbytes = (n,), (max(1, len(data)),)
-            key = hashlib.sha256(data).hexdigest()[:16]
+            n, nbytes, key = _count_lines(fs, local)
+            rows, nbytes = (n,), (max(1, nbytes),)
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -209,6 +206,22 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
             reason="corrupt_file", path=path) from e
     return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes,
                     content_key=key)
+
+
+def _count_lines(fs: pafs.FileSystem, local: str, block: int = 16 << 20
+                 ) -> tuple[int, int, str]:
+    """A JSONL file's lines (a last one without newline counts), its bytes (decompressed),
+    and a hash of them, read in blocks: planning never holds a whole file in memory."""
+    h = hashlib.sha256()
+    lines = total = 0
+    last = b"\n"
+    with fs.open_input_stream(local) as f:
+        while data := f.read(block):
+            h.update(data)
+            lines += data.count(b"\n")
+            total += len(data)
+            last = data[-1:]
+    return lines + (last != b"\n"), total, h.hexdigest()[:16]
 
 
 def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:

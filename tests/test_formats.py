@@ -196,3 +196,37 @@ def test_a_file_changed_after_planning_is_an_error_not_other_rows(tmp_path):
         read_texts(plan.files[0], 0, 0, 4, "text")
     assert e.value.reason == "corrupt_file" and e.value.path == path
     assert "12 rows" in str(e.value) and "10 when the plan was built" in str(e.value)
+
+
+@pytest.mark.parametrize("tail", [b"", b"\n", b"\n\n", b'{"text": "no newline"}'])
+def test_planning_counts_jsonl_lines_across_read_blocks(tmp_path, tail):
+    data = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in make_texts(30, 4)) + tail
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(data)
+    fs, local = sources._filesystem(str(path))
+    whole = sources._count_lines(fs, local)
+    assert whole[:2] == (data.count(b"\n") + (not data.endswith(b"\n")), len(data))
+    for block in (1, 7, 64, 1000):
+        assert sources._count_lines(fs, local, block=block) == whole, block
+
+
+def test_files_are_planned_in_order_and_the_first_bad_one_in_order_is_named(tmp_path):
+    texts = [make_texts(3 + i % 4, i) for i in range(40)]
+    paths = [write_jsonl(tmp_path / f"f{i:02d}.jsonl", t) if i % 2 else
+             write_parquet(tmp_path / f"f{i:02d}.parquet", t) for i, t in enumerate(texts)]
+    plan = build_plan(make_config([str(tmp_path)]))
+    assert [f.path for f in plan.files] == paths
+    assert [f.num_rows for f in plan.files] == [len(t) for t in texts]
+    # Three broken files: the plan names the first in path order, whichever thread read it.
+    (tmp_path / "f13.jsonl").unlink()
+    (tmp_path / "f13.parquet").write_bytes(b"PAR1 not really")
+    with open(tmp_path / "f30.parquet", "r+b") as f:
+        f.truncate(3)
+    (tmp_path / "f31.parquet").write_bytes(b"nor this")
+    with pytest.raises(BadInputError) as e:
+        build_plan(make_config([str(tmp_path)]))
+    assert e.value.path.endswith("f13.parquet"), e.value.path
+    skipping = build_plan(make_config([str(tmp_path)], on_bad_file="skip"))
+    assert [p.rsplit("/", 1)[1] for p, _, _ in skipping.skipped_files] == [
+        "f13.parquet", "f30.parquet", "f31.parquet"]
+    assert len(skipping.files) == 38
