@@ -112,7 +112,8 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None) -> Ben
             else:
                 files.append(f)
     if problems:
-        raise ValueError("cannot benchmark this config: " + "; ".join(problems))
+        shown = problems[:3] + ([f"and {len(problems) - 3} more"] if len(problems) > 3 else [])
+        raise ValueError("cannot benchmark this config: " + "; ".join(shown))
     if quick:
         kept, total = [], 0
         for f in files:
