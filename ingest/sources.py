@@ -375,9 +375,9 @@ def _group(info: FileInfo, fs, local: str, group: int, column: str) -> pa.Table:
         if info.format == "parquet":
             table = reader.read_row_group(group, columns=[column], use_threads=False)
         else:
-            batch = reader.get_batch(group)
-            table = pa.Table.from_batches([batch.select([column])])
-            if _is_local(fs) and _mapped(batch.select([column]), info):
+            batch = reader.get_batch(group).select([column])
+            table = pa.Table.from_batches([batch])
+            if _is_local(fs) and _mapped(batch, info):
                 return table  # points into the mapped file: nothing to keep
     if table.num_rows != rows:
         raise BadInputError(
