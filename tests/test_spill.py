@@ -69,17 +69,21 @@ def test_a_large_group_is_decoded_once_and_then_read_from_disk(large_file, cache
     assert len(files) == 1 and files[0].endswith(".arrow"), files
     assert os.path.getsize(cache_dir / files[0]) >= LARGE_GROUP_BYTES
 
-    # A fresh process reads every unit from the disk copy: the Parquet file is not opened.
+    _read_with_the_file_moved_away(info, units, texts, tmp_path)
+    assert len(os.listdir(cache_dir)) == 1
+
+
+def _read_with_the_file_moved_away(info, units, texts, tmp_path) -> None:
+    """A fresh process reads every unit from the disk copy: the source file is not opened."""
     forget_decoded()
-    moved = str(tmp_path / "moved.parquet")
-    os.rename(path, moved)
+    moved = str(tmp_path / ("moved" + os.path.splitext(info.path)[1]))
+    os.rename(info.path, moved)
     try:
         for u in units:
             arr, _ = read_texts(info, 0, u.row_start, u.row_end, "text")
             assert arr.to_pylist() == texts[u.row_start:u.row_end], (u.row_start, u.row_end)
     finally:
-        os.rename(moved, path)
-    assert len(os.listdir(cache_dir)) == 1
+        os.rename(moved, info.path)
 
 
 def test_streams_give_the_same_rows_with_the_disk_copy_and_without(large_file, cache_dir,
@@ -181,13 +185,4 @@ def test_a_large_jsonl_file_is_parsed_once_and_then_read_from_disk(cache_dir, tm
     arr, bad = read_texts(info, 0, units[2].row_start, units[2].row_end, "text")
     assert arr.to_pylist() == texts[units[2].row_start:units[2].row_end] and bad is None
     assert len(os.listdir(cache_dir)) == 1
-
-    forget_decoded()
-    moved = str(tmp_path / "moved.jsonl")
-    os.rename(path, moved)
-    try:
-        for u in units:
-            arr, _ = read_texts(info, 0, u.row_start, u.row_end, "text")
-            assert arr.to_pylist() == texts[u.row_start:u.row_end], (u.row_start, u.row_end)
-    finally:
-        os.rename(moved, path)
+    _read_with_the_file_moved_away(info, units, texts, tmp_path)
