@@ -353,7 +353,6 @@ _spilled: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 def _group(info: FileInfo, fs, local: str, group: int, column: str) -> pa.Table:
     """Group ``group`` of ``info``: a table of column ``column`` and, for a JSONL file with
     malformed lines, their reason codes (call with ``_read_lock`` held)."""
-    global _row_group_bytes
     key = (info.path, info.size, info.content_key, group, column)
     table = _row_groups.get(key)
     if table is not None:
@@ -365,9 +364,22 @@ def _group(info: FileInfo, fs, local: str, group: int, column: str) -> pa.Table:
         return table
     rows = info.row_groups[group]
     # The plan's estimate of the group's decoded size says whether to look on disk first.
-    large = info.group_bytes[group] > LARGE_GROUP_BYTES
-    if large and (table := spill.load_spilled(key, rows)) is not None:
+    if info.group_bytes[group] <= LARGE_GROUP_BYTES:
+        return _decode(info, fs, local, group, column, key, large=False)
+    if (table := spill.load_spilled(key, rows)) is not None:
         return _keep_mapped(key, table)
+    # One process of the machine decodes it; the others wait, then map the copy it wrote.
+    with spill.exclusive(key, info.group_bytes[group]):
+        if (table := spill.load_spilled(key, rows)) is not None:
+            return _keep_mapped(key, table)
+        return _decode(info, fs, local, group, column, key, large=True)
+
+
+def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple, *,
+            large: bool) -> pa.Table:
+    """Reads and decodes the group, and keeps it: in memory if small, else on disk when the
+    plan said ``large``."""
+    global _row_group_bytes
     if info.format == "jsonl":
         table = _jsonl_table(info, fs, local, column)
     else:
@@ -379,7 +391,7 @@ def _group(info: FileInfo, fs, local: str, group: int, column: str) -> pa.Table:
             table = pa.Table.from_batches([batch])
             if _is_local(fs) and _mapped(batch, info):
                 return table  # points into the mapped file: nothing to keep
-    if table.num_rows != rows:
+    if table.num_rows != (rows := info.row_groups[group]):
         raise BadInputError(
             f"{info.path}: row group {group} has {table.num_rows} rows, and had {rows} when "
             f"the plan was built: the file changed since; restart the job to plan afresh, or "

@@ -20,16 +20,19 @@ never an error.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import time
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ingest.cache import cache_root, write_atomically
 
-__all__ = ["budget_bytes", "folder", "load_spilled", "spill"]
+__all__ = ["budget_bytes", "exclusive", "folder", "load_spilled", "spill"]
 
 log = logging.getLogger("ingest.spill")
 
@@ -105,6 +108,41 @@ def spill(key: tuple, table: pa.Table) -> pa.Table | None:
                         "writable folder with space", where, type(e).__name__, e)
         return None
     return load_spilled(key, table.num_rows)
+
+
+@contextlib.contextmanager
+def exclusive(key: tuple, nbytes: int, *, wait_s: float = 600.0) -> Iterator[None]:
+    """Held while this process decodes the group for ``key`` (``nbytes`` of text, as the plan
+    estimates): another process of the machine that needs it meanwhile waits, then maps the copy
+    written here, rather than decoding it too. Workers that start on one large file at once
+    would each hold a decoded copy in memory. An ``flock`` on a file beside the copy: released
+    when the holder exits, however it ends (``locks/`` in the cache folder). Without a copy to wait for (the cache off, or the
+    group over half the budget), or a lock file, or past ``wait_s``, no lock: decode anyway."""
+    fd = None
+    budget = budget_bytes()
+    if budget and nbytes <= budget // 2:
+        locks = os.path.join(cache_root(), "locks")  # not in folder(): only copies there
+        with contextlib.suppress(OSError):
+            os.makedirs(locks, exist_ok=True)
+            name = os.path.basename(_path(key))[:-len(_SUFFIX)] + ".lock"
+            fd = os.open(os.path.join(locks, name), os.O_CREAT | os.O_RDWR, 0o644)
+    locked = False
+    deadline = time.monotonic() + wait_s
+    while fd is not None and not locked:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                log.warning("another process has decoded a large row group for over %.0f s; "
+                            "decoding it here too (%s)", wait_s, key[0])
+                break
+            time.sleep(0.02)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _evict(folder: str, allowed: int, *, keep: str) -> None:

@@ -4,6 +4,7 @@ reads its rows."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import random
 
@@ -11,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ingest import Stream, build_plan, spill
+from ingest import Stream, build_plan, sources, spill
 from ingest.sources import LARGE_GROUP_BYTES, read_texts
 from tests.helpers import (
     WORDS,
@@ -186,3 +187,39 @@ def test_a_large_jsonl_file_is_parsed_once_and_then_read_from_disk(cache_dir, tm
     assert arr.to_pylist() == texts[units[2].row_start:units[2].row_end] and bad is None
     assert len(os.listdir(cache_dir)) == 1
     _read_with_the_file_moved_away(info, units, texts, tmp_path)
+
+
+def _read_in_a_fresh_process(info, start, stop, barrier, out) -> None:
+    """A worker process's first read of a unit (spawned: nothing decoded yet)."""
+    parsed = []
+    real = sources._jsonl_table
+    sources._jsonl_table = lambda *a: parsed.append(1) or real(*a)
+    barrier.wait(timeout=60)
+    arr, _ = read_texts(info, 0, start, stop, "text")
+    out.put((len(parsed), arr.to_pylist()))
+
+
+def test_processes_that_start_on_one_large_file_at_once_parse_it_once(cache_dir, tmp_path):
+    texts = _large_texts(2)
+    path = write_jsonl(tmp_path / "big.jsonl", texts)
+    plan = build_plan(make_config([path], unit_rows=256))
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(3), ctx.Queue()
+    units = plan.units[:2]
+    procs = [ctx.Process(target=_read_in_a_fresh_process,
+                         args=(plan.files[0], u.row_start, u.row_end, barrier, out))
+             for u in units]
+    for p in procs:
+        p.start()
+    try:
+        barrier.wait(timeout=60)  # both read at once
+        results = [out.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert sum(n for n, _ in results) == 1, "one process parsed; the other mapped its copy"
+    assert sorted(r for _, r in results) == sorted(texts[u.row_start:u.row_end] for u in units)
+    assert [f for f in os.listdir(cache_dir) if f.endswith(".arrow")] and len(
+        os.listdir(cache_dir)) == 1
