@@ -113,11 +113,12 @@ def spill(key: tuple, table: pa.Table) -> pa.Table | None:
 @contextlib.contextmanager
 def exclusive(key: tuple, nbytes: int, *, wait_s: float = 600.0) -> Iterator[None]:
     """Held while this process decodes the group for ``key`` (``nbytes`` of text, as the plan
-    estimates): another process of the machine that needs it meanwhile waits, then maps the copy
-    written here, rather than decoding it too. Workers that start on one large file at once
-    would each hold a decoded copy in memory. An ``flock`` on a file beside the copy: released
-    when the holder exits, however it ends (``locks/`` in the cache folder). Without a copy to wait for (the cache off, or the
-    group over half the budget), or a lock file, or past ``wait_s``, no lock: decode anyway."""
+    estimates): another process of the machine that needs it meanwhile waits, then maps the
+    copy written here, rather than decoding it too. Workers that start on one large file at
+    once would each hold a decoded copy in memory. An ``flock`` on a file under ``locks/`` in
+    the cache folder, released when the holder exits, however it ends. Without a copy to wait
+    for (the cache off, or the group over half the budget), or a lock file, or past
+    ``wait_s``: no lock, decode anyway."""
     fd = None
     budget = budget_bytes()
     if budget and nbytes <= budget // 2:
