@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import random
 from collections import Counter
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from ingest import BadInputError, Stream, build_plan, sources
+from ingest import plan as plan_module
 from ingest.sources import decode_texts, describe_file, read_texts
 from tests.helpers import (
     all_streams,
@@ -230,3 +232,13 @@ def test_files_are_planned_in_order_and_the_first_bad_one_in_order_is_named(tmp_
     assert [p.rsplit("/", 1)[1] for p, _, _ in skipping.skipped_files] == [
         "f13.parquet", "f30.parquet", "f31.parquet"]
     assert len(skipping.files) == 38
+
+
+def test_long_planning_logs_its_progress(tmp_path, monkeypatch, caplog):
+    paths = [write_jsonl(tmp_path / f"f{i}.jsonl", make_texts(3, i)) for i in range(5)]
+    monkeypatch.setattr(plan_module, "_PROGRESS_EVERY_S", 0.0)  # every file counts as long
+    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+        build_plan(make_config(paths))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planning:")]
+    assert "read the metadata of 1 of 5 files" in lines[0], lines
+    assert "read the metadata of 5 files in" in lines[-1], lines
