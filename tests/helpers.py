@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
-import pyarrow.ipc  # noqa: F401 -- pa.ipc
 import pyarrow.parquet as pq
 import pytest
 
@@ -62,10 +61,11 @@ def write_parquet(path, texts: Sequence[Any], *, row_group_size: int | None = No
 
 
 def write_arrow(path, texts: Sequence[str], *, batch_size: int | None = None,
-                column: str = "text") -> str:
-    """Writes an Arrow IPC file (Feather v2), one record batch per ``batch_size`` rows."""
+                column: str = "text", compression: str = "uncompressed") -> str:
+    """Writes an Arrow IPC file (Feather v2), one record batch per ``batch_size`` rows, its
+    buffers ``compression`` (``uncompressed``, ``zstd`` or ``lz4``)."""
     table = pa.table({column: pa.array(list(texts), type=pa.string())})
-    feather.write_feather(table, str(path), compression="uncompressed",
+    feather.write_feather(table, str(path), compression=compression,
                           chunksize=batch_size or max(1, len(texts)))
     return str(path)
 
@@ -93,17 +93,6 @@ def write_parquet_corpus(directory, n_files: int, docs_per_file: int, row_group_
         write_parquet(directory / f"part-{i:05d}.parquet", texts, row_group_size=row_group_size)
         per_file.append(texts)
     return per_file
-
-
-def write_ipc(path, texts: Sequence[str], *, batch_size: int, compression: str | None = None,
-              column: str = "text") -> str:
-    """Writes an Arrow IPC file of ``batch_size``-row record batches, buffers compressed with
-    ``compression`` (``zstd``, ``lz4``) or not."""
-    table = pa.table({column: pa.array(list(texts), type=pa.string())})
-    options = pa.ipc.IpcWriteOptions(compression=compression)
-    with pa.ipc.new_file(str(path), table.schema, options=options) as writer:
-        writer.write_table(table, max_chunksize=batch_size)
-    return str(path)
 
 
 def forget_decoded() -> None:
