@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ingest.config import Config
 from ingest.materialize import MANIFEST, read_manifest
-from ingest.plan import Unit, UnitPlan
+from ingest.plan import Unit, UnitPlan, Units
 from ingest.shift import FIELDS
 from ingest.sources import FileInfo, numpy_view
 from ingest.stream import Chunk
@@ -111,7 +111,7 @@ def build_replay_plan(config: Config) -> MaterializedPlan:
     blob = json.dumps([manifest["config_fingerprint"], manifest["corpus_fingerprint"],
                        manifest["seq_len"], [f.content_key for f in files],
                        [len(u) for u in stream_units]])
-    return MaterializedPlan(files=tuple(files), text_columns=(), units=tuple(units),
+    return MaterializedPlan(files=tuple(files), text_columns=(), units=Units.of(units),
                             skipped_files=(), fingerprint=hashlib.sha256(blob.encode())
                             .hexdigest()[:16], root=root, seq_len=manifest["seq_len"],
                             stream_units=tuple(stream_units))

@@ -640,8 +640,9 @@ class HostFeed:
         replay = getattr(self.plan, "stream_units", None)
         if replay is not None:
             # A materialized directory (ingest.replay): its manifest counts every stream's rows.
-            rows = np.array([sum(self.plan.units[u].num_rows for u in units)
-                             for units in replay], np.int64) * c.num_epochs
+            num_rows = self.plan.units.num_rows
+            rows = np.array([num_rows[list(units)].sum() for units in replay],
+                            np.int64) * c.num_epochs
             exact, basis = True, "the materialized directory's rows, from its manifest"
         else:
             dealt = self._deals()
@@ -668,8 +669,7 @@ class HostFeed:
         if self._dealt is None:
             c = self.config
             epochs = min(c.num_epochs, DEALT_EPOCHS)
-            nbytes = np.array([u.nbytes for u in self.plan.units], np.int64)
-            ndocs = np.array([u.num_rows for u in self.plan.units], np.int64)
+            nbytes, ndocs = self.plan.units.nbytes, self.plan.units.num_rows
             units = [deal_units(self.plan, num_streams=c.num_streams, seed=c.seed, epoch=e,
                                 shuffle=c.shuffle) for e in range(epochs)]
             reps = [units[e % epochs] for e in range(c.num_epochs)]

@@ -195,7 +195,8 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
                       on_bad_document="skip", chunk_rows=2, prefetch=1)
     plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)
     deal = dict(num_streams=4, seed=cfg.seed, epoch=0, shuffle=True)
-    assert deal_units(plan, **deal) == deal_units(ref_plan, **deal), "precondition: same deal"
+    assert ([d.tolist() for d in deal_units(plan, **deal)]
+            == [d.tolist() for d in deal_units(ref_plan, **deal)]), "precondition: same deal"
 
     pool = WorkerPool(cfg, plan, list(range(4)), num_workers=2, get_timeout_s=60)
     try:
@@ -257,7 +258,8 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
     plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)
     for src in (0, 1):
         deal = dict(num_streams=2, seed=cfg.seed, epoch=0, shuffle=True, source=src)
-        assert deal_units(plan, **deal) == deal_units(ref_plan, **deal), "precondition"
+        assert ([d.tolist() for d in deal_units(plan, **deal)]
+                == [d.tolist() for d in deal_units(ref_plan, **deal)]), "precondition"
     pool = WorkerPool(cfg, plan, [0, 1], num_workers=1, get_timeout_s=60)
     crashed = 0
     try:
