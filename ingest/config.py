@@ -21,6 +21,7 @@ __all__ = ["Config", "SourceConfig", "load_config"]
 
 PACKINGS = ("concat", "first_fit", "best_fit", "none")
 SHIFTS = ("left", "right")
+DEALS = ("units", "row_groups")
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 BAD_INPUT_POLICIES = ("error", "skip")
 FORMATS = ("parquet", "arrow", "jsonl")
@@ -168,6 +169,11 @@ class Config:
         the first key; factors are not accumulated). Every such size must be a whole multiple
         of ``num_streams``. YAML keys may be ints or strings of ints.
       unit_rows: at most this many documents per unit (units are row groups or parts of them).
+      deal: ``units`` (default): each epoch, units are permuted and dealt one by one.
+        ``row_groups``: the units of a row group stay together and are read in row order by
+        one stream (groups are permuted and dealt, split into runs only where the corpus has
+        too few); each Parquet group is then decoded once an epoch, as it is read, for
+        corpora larger than the memory and disk caches of decoded groups.
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
       workers: Ray worker actors (one CPU each). Runtime only.
@@ -207,6 +213,7 @@ class Config:
     reset_after_epoch: bool = False
     batch_rampup: dict[int, float] | None = None
     unit_rows: int = 256
+    deal: str = "units"
     on_bad_document: str = "error"
     on_bad_file: str = "error"
     workers: int = 2
@@ -264,7 +271,7 @@ class Config:
                 f"num_streams={self.num_streams}; choose num_streams in {divisors}")
         for name, allowed in (("packing", PACKINGS), ("shift", SHIFTS),
                               ("long_documents", LONG_DOCUMENT_POLICIES),
-                              ("on_bad_document", BAD_INPUT_POLICIES),
+                              ("on_bad_document", BAD_INPUT_POLICIES), ("deal", DEALS),
                               ("on_bad_file", BAD_INPUT_POLICIES)):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {list(allowed)}")
@@ -415,7 +422,7 @@ def _resolve(path: str, base_dir: str | None) -> str:
 
 # Output fields added after checkpoints existed enter the fingerprint only when set, so a
 # checkpoint saved before they existed still restores under their defaults.
-_OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None}
+_OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None, "deal": "units"}
 
 
 def _check_rampup(raw: Any, batch: int | None, streams: int | None

@@ -350,17 +350,28 @@ def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:
 
 
 def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
-               shuffle: bool, source: int | None = None) -> list[np.ndarray]:
+               shuffle: bool, source: int | None = None,
+               deal: str = "units") -> list[np.ndarray]:
     """The unit indices each stream reads in ``epoch``, in reading order (int64 arrays).
 
     ``source`` deals only that source's units (the streams of one mixture component); None
-    deals every unit (sources pooled).
+    deals every unit (sources pooled). ``deal="row_groups"`` deals runs of consecutive units
+    of one row group (``_runs``) instead of single units, and a stream reads each run's units
+    one after another in row order.
     """
     ids = np.arange(len(plan.units))
     if source is not None:
         ids = ids[plan.units.source == source]
-    n = len(ids)
-    nbytes = plan.units.nbytes[ids]
+    if deal == "row_groups":
+        run_start, run_end = _runs(plan.units, ids, num_streams)
+    elif deal == "units":
+        run_start = np.arange(len(ids))
+        run_end = run_start + 1
+    else:
+        raise ValueError(f"deal={deal!r} must be 'units' or 'row_groups'")
+    n = len(run_start)
+    nbytes = np.concatenate([[0], np.cumsum(plan.units.nbytes[ids])])
+    nbytes = nbytes[run_end] - nbytes[run_start]
     # Keys of pooled plans stay as they were, so their batches do not change.
     key = () if source is None else (source,)
     if shuffle:
@@ -369,21 +380,52 @@ def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
         order = order[np.argsort(-size_class, kind="stable")]
     else:
         order = np.arange(n)
-    # Each unit in turn to the stream with the fewest bytes so far (ties: the lowest id).
+    # Each run in turn to the stream with the fewest bytes so far (ties: the lowest id).
     heap = [(0, s) for s in range(num_streams)]
     to_stream = np.empty(n, np.int64)
     for i, size in enumerate(nbytes[order].tolist()):
         load, s = heap[0]
         heapq.heapreplace(heap, (load + size, s))
         to_stream[i] = s
-    # The units of each stream in dealing order (a stable sort keeps it).
+    # The runs of each stream in dealing order (a stable sort keeps it).
     by_stream = np.argsort(to_stream, kind="stable")
     bounds = np.searchsorted(to_stream[by_stream], np.arange(num_streams + 1))
-    unit_ids = ids[order[by_stream]]
-    dealt = [unit_ids[bounds[s]:bounds[s + 1]] for s in range(num_streams)]
+    runs = [order[by_stream[bounds[s]:bounds[s + 1]]] for s in range(num_streams)]
     if shuffle:
-        # Sorted first, so a stream's reading order depends only on the units it holds, not
+        # Sorted first, so a stream's reading order depends only on the runs it holds, not
         # on the byte estimates that ordered the deal.
-        dealt = [np.sort(d)[philox(seed, epoch, 0x0D3A2, s, *key).permutation(len(d))]
-                 for s, d in enumerate(dealt)]
-    return dealt
+        runs = [np.sort(r)[philox(seed, epoch, 0x0D3A2, s, *key).permutation(len(r))]
+                for s, r in enumerate(runs)]
+    if deal == "units":
+        return [ids[r] for r in runs]
+    return [ids[_expand(run_start[r], run_end[r])] for r in runs]
+
+
+# In deal="row_groups", a row group is split into runs only where the corpus has fewer than
+# this many runs per stream, so that every stream gets work and similar bytes.
+_RUNS_PER_STREAM = 4
+
+
+def _runs(units: Units, ids: np.ndarray, num_streams: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of ``ids`` (ascending unit indices): ``[start, end)`` positions in ``ids`` of
+    consecutive units of one row group. A group of ``n`` units is one run, or ``ceil(n / L)``
+    near-equal runs where ``L = ceil(len(ids) / (num_streams x _RUNS_PER_STREAM))`` is
+    smaller than ``n``."""
+    file, group = units.file[ids], units.group[ids]
+    first = np.ones(len(ids), bool)
+    first[1:] = (file[1:] != file[:-1]) | (group[1:] != group[:-1])
+    starts = np.flatnonzero(first)
+    lengths = np.diff(np.append(starts, len(ids)))
+    most = max(1, -(-len(ids) // (num_streams * _RUNS_PER_STREAM)))
+    parts = -(-lengths // most)
+    g = np.repeat(np.arange(len(starts)), parts)
+    j = np.arange(len(g)) - np.repeat(np.cumsum(parts) - parts, parts)
+    n, p = lengths[g], parts[g]
+    return starts[g] + j * n // p, starts[g] + (j + 1) * n // p
+
+
+def _expand(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, b) for a, b in zip(start, end)])``, without the loop."""
+    lengths = end - start
+    offsets = np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
+    return offsets + np.arange(int(lengths.sum()))

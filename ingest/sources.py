@@ -21,6 +21,8 @@ import json
 import os
 import re
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -267,12 +269,14 @@ def _check_column(schema: pa.Schema, column: str, path: str, *, tokens: bool = F
             f"UTF-8); point text_column at a text column", reason="column_type", path=path)
 
 
-def read_texts(info: FileInfo, group: int, start: int, stop: int,
-               text_column: str) -> tuple[pa.Array, np.ndarray | None]:
+def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: str, *,
+               sequential: bool = False) -> tuple[pa.Array, np.ndarray | None]:
     """Rows ``[start, stop)`` of row group ``group`` of the text column, as an Arrow array,
     and, for JSONL, a reason code per row for lines that are not valid JSON (else None).
 
-    Values may be null or invalid UTF-8: the caller decides what is bad.
+    Values may be null or invalid UTF-8: the caller decides what is bad. ``sequential``: the
+    caller reads the group's units in row order (``deal: row_groups``), so a Parquet group
+    not kept decoded is decoded as it is read, from where the previous read stopped.
 
     Raises:
       BadInputError: reason ``corrupt_file`` when the data cannot be read or decoded, or no
@@ -283,6 +287,13 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int,
         return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
     fs, local = _filesystem(info.path)
     try:
+        if sequential and info.format == "parquet":
+            key = (info.path, info.size, info.content_key, group, text_column)
+            with _read_lock:
+                cursor = None if key in _row_groups or key in _spilled else \
+                    _cursor(info, fs, local, group, text_column, start)
+            if cursor is not None:
+                return _read_on(cursor, info, group, start, stop, key), None
         with _read_lock:
             table = _group(info, fs, local, group, text_column)
         col = table.column(0).slice(start, stop - start)
@@ -404,6 +415,91 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
     elif large and (mapped := spill.spill(key, table)) is not None:
         return _keep_mapped(key, mapped)
     return table
+
+
+# deal: row_groups reads a stream's units of a row group one after another in row order. A
+# Parquet group that is not kept decoded (in _row_groups or on disk) is then read through a
+# cursor: decoded a batch at a time from where the previous unit stopped, so once per pass
+# over it, where reading it whole for every unit decoded it once per unit (a corpus larger
+# than the caches). A cursor holds one batch of decoded rows and its file's read buffer.
+_CURSORS = 32
+_CURSOR_BATCH_ROWS = 1024
+_CURSOR_BUFFER_BYTES = 1 << 20
+_cursors: collections.OrderedDict[tuple, _Cursor] = collections.OrderedDict()
+
+
+@dataclasses.dataclass
+class _Cursor:
+    file: Any
+    batches: Iterator[pa.RecordBatch]
+    row: int = 0  # rows of the group read or skipped so far
+    pending: pa.Array | None = None  # decoded rows from ``row`` on, not yet handed out
+
+    def take(self, n: int) -> list[pa.Array]:
+        """The next ``n`` rows (fewer at the end of the group)."""
+        out: list[pa.Array] = []
+        while n > 0:
+            if self.pending is None or not len(self.pending):
+                batch = next(self.batches, None)
+                if batch is None:
+                    break
+                self.pending = batch.column(0)
+            piece = self.pending.slice(0, n)
+            self.pending = self.pending.slice(len(piece))
+            out.append(piece)
+            self.row += len(piece)
+            n -= len(piece)
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int) -> _Cursor:
+    """The cursor at row ``start`` of the group, taken out of ``_cursors``, or a new one at
+    row 0 (call with ``_read_lock`` held)."""
+    cursor = _cursors.pop((info.path, info.size, info.content_key, group, column, start), None)
+    if cursor is not None:
+        return cursor
+    metadata = _open(info, fs, local).metadata  # the footer, parsed once per file
+    f = fs.open_input_file(local)
+    try:
+        reader = pq.ParquetFile(f, metadata=metadata, pre_buffer=False,
+                                buffer_size=_CURSOR_BUFFER_BYTES)
+        cursor = _Cursor(f, reader.iter_batches(batch_size=_CURSOR_BATCH_ROWS, row_groups=[group],
+                                                columns=[column], use_threads=False))
+    except BaseException:
+        f.close()
+        raise
+    return cursor
+
+
+def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
+             key: tuple) -> pa.Array:
+    """Rows ``[start, stop)`` through ``cursor`` (at ``start``, or at 0: a new cursor, as
+    after a resume, skips to ``start``), which is then kept for the next unit or, at the end
+    of the group, closed."""
+    rows = info.row_groups[group]
+    while cursor.row < start and cursor.take(start - cursor.row):
+        pass
+    pieces = cursor.take(stop - start) if cursor.row == start else []
+    ended = cursor.row != stop  # the group ended before ``stop``
+    if ended or stop == rows:
+        # At the group's end, the file's group must end too.
+        ended = ended or bool(cursor.pending is not None and len(cursor.pending)
+                              or next(cursor.batches, None) is not None)
+        cursor.close()
+        if ended:
+            raise BadInputError(
+                f"{info.path}: row group {group} does not have the {rows} rows it had when the "
+                f"plan was built: the file changed since; restart the job to plan afresh, or "
+                f"set on_bad_file: skip", reason="corrupt_file", path=info.path)
+    else:
+        with _read_lock:
+            _cursors[key + (stop,)] = cursor
+            while len(_cursors) > _CURSORS:
+                _cursors.popitem(last=False)[1].close()
+    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
 
 def _mapped(batch: pa.RecordBatch, info: FileInfo) -> bool:

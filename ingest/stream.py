@@ -162,8 +162,8 @@ class Stream:
         if epoch not in self._deals:
             c = self.config
             self._deals = {epoch: _dealt(self.plan, num_streams=c.num_streams, seed=c.seed,
-                                         epoch=epoch, shuffle=c.shuffle,
-                                         source=self.source)[self.stream_id]}
+                                         epoch=epoch, shuffle=c.shuffle, source=self.source,
+                                         deal=c.deal)[self.stream_id]}
         return self._deals[epoch]
 
     def _next_pos(self, epoch: int, pos: int) -> tuple[int, int] | None:
@@ -182,7 +182,8 @@ class Stream:
         info = self.plan.files[unit.file]
         try:
             arr, pre_bad = read_texts(info, unit.group, unit.row_start, unit.row_end,
-                                      self.plan.text_columns[unit.source])
+                                      self.plan.text_columns[unit.source],
+                                      sequential=c.deal == "row_groups")
         except BadInputError as e:
             if c.on_bad_file != "skip" or e.reason != "corrupt_file":
                 raise
@@ -573,16 +574,16 @@ _DEALS_LOCK = threading.Lock()
 
 
 def _dealt(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int, shuffle: bool,
-           source: int | None) -> list[np.ndarray]:
+           source: int | None, deal: str = "units") -> list[np.ndarray]:
     """``deal_units``, remembered for the last few deals (callers only read the arrays)."""
-    key = (id(plan), num_streams, seed, epoch, shuffle, source)
+    key = (id(plan), num_streams, seed, epoch, shuffle, source, deal)
     with _DEALS_LOCK:
         hit = _DEALS.get(key)
         if hit is not None and hit[0] is plan:  # the same object, not a new one at a reused id
             _DEALS.move_to_end(key)
             return hit[1]
     dealt = deal_units(plan, num_streams=num_streams, seed=seed, epoch=epoch, shuffle=shuffle,
-                       source=source)
+                       source=source, deal=deal)
     with _DEALS_LOCK:
         _DEALS[key] = (plan, dealt)
         while len(_DEALS) > _DEALS_KEPT:

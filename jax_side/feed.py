@@ -671,7 +671,7 @@ class HostFeed:
             epochs = min(c.num_epochs, DEALT_EPOCHS)
             nbytes, ndocs = self.plan.units.nbytes, self.plan.units.num_rows
             units = [deal_units(self.plan, num_streams=c.num_streams, seed=c.seed, epoch=e,
-                                shuffle=c.shuffle) for e in range(epochs)]
+                                shuffle=c.shuffle, deal=c.deal) for e in range(epochs)]
             reps = [units[e % epochs] for e in range(c.num_epochs)]
             self._dealt = {
                 "units": units,

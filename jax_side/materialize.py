@@ -96,7 +96,7 @@ class Progress:
         per = [[] for _ in range(c.num_streams)]
         for e in range(c.num_epochs):
             for s, units in enumerate(deal_units(plan, num_streams=c.num_streams, seed=c.seed,
-                                                 epoch=e, shuffle=c.shuffle)):
+                                                 epoch=e, shuffle=c.shuffle, deal=c.deal)):
                 per[s].append(len(units))
         return per
 

@@ -101,6 +101,9 @@ def forget_decoded() -> None:
         sources._row_groups.clear()
         sources._row_group_bytes = 0
         sources._spilled.clear()
+        for cursor in sources._cursors.values():
+            cursor.close()
+        sources._cursors.clear()
         for f, _ in sources._open_files.values():
             f.close()
         sources._open_files.clear()

@@ -210,6 +210,26 @@ def test_ray_feed_digest_matches_local_for_any_worker_count(ray_cluster, config,
     assert stats["tokens"] == reference["stats"]["tokens"]
 
 
+@pytest.mark.ray
+@pytest.mark.multidevice
+def test_row_group_deal_gives_the_same_batches_on_ray_as_local(ray_cluster, config,
+                                                               sharding_1d, reference):
+    """deal: row_groups (here runs of 2 of a group's 4 units) reproduces the local backend's
+    batches on Ray, with the default deal's tokens in another order."""
+    cfg = config.replace(deal="row_groups", unit_rows=5)
+    plan = build_plan(cfg)
+    with HostFeed(cfg, sharding=sharding_1d, backend="local", plan=plan) as feed:
+        local = drain(feed)
+        tokens = feed.stats()["tokens"]
+    with HostFeed(cfg, sharding=sharding_1d, backend="ray", workers=2, plan=plan,
+                  get_timeout_s=60) as feed:
+        assert digest_of(drain(feed)) == digest_of(local)
+    with HostFeed(cfg.replace(deal="units"), sharding=sharding_1d, backend="local",
+                  plan=plan) as feed:
+        assert digest_of(drain(feed)) != digest_of(local)
+    assert tokens == reference["stats"]["tokens"]
+
+
 @pytest.mark.multidevice
 def test_batches_have_six_int32_fields_with_requested_sharding(sharding_1d, reference, config,
                                                               plan):
