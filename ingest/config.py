@@ -172,8 +172,8 @@ class Config:
       deal: ``units`` (default): each epoch, units are permuted and dealt one by one.
         ``row_groups``: the units of a row group stay together and are read in row order by
         one stream (groups are permuted and dealt, split into runs only where the corpus has
-        too few); each Parquet group is then decoded once an epoch, as it is read, for
-        corpora larger than the memory and disk caches of decoded groups.
+        too few); each Parquet group (or JSONL file) is then decoded once an epoch, as it
+        is read, for corpora larger than the memory and disk caches of decoded groups.
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
       workers: Ray worker actors (one CPU each). Runtime only.

@@ -275,8 +275,9 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: s
     and, for JSONL, a reason code per row for lines that are not valid JSON (else None).
 
     Values may be null or invalid UTF-8: the caller decides what is bad. ``sequential``: the
-    caller reads the group's units in row order (``deal: row_groups``), so a Parquet group
-    not kept decoded is decoded as it is read, from where the previous read stopped.
+    caller reads the group's units in row order (``deal: row_groups``), so a Parquet group or
+    JSONL file not kept decoded is decoded as it is read, from where the previous read
+    stopped.
 
     Raises:
       BadInputError: reason ``corrupt_file`` when the data cannot be read or decoded, or no
@@ -287,13 +288,13 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: s
         return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
     fs, local = _filesystem(info.path)
     try:
-        if sequential and info.format == "parquet":
+        if sequential and info.format in ("parquet", "jsonl"):
             key = (info.path, info.size, info.content_key, group, text_column)
             with _read_lock:
                 cursor = None if key in _row_groups or key in _spilled else \
                     _cursor(info, fs, local, group, text_column, start)
             if cursor is not None:
-                return _read_on(cursor, info, group, start, stop, key), None
+                return _read_on(cursor, info, group, start, stop, key)
         with _read_lock:
             table = _group(info, fs, local, group, text_column)
         col = table.column(0).slice(start, stop - start)
@@ -418,37 +419,38 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
 
 
 # deal: row_groups reads a stream's units of a row group one after another in row order. A
-# Parquet group that is not kept decoded (in _row_groups or on disk) is then read through a
-# cursor: decoded a batch at a time from where the previous unit stopped, so once per pass
-# over it, where reading it whole for every unit decoded it once per unit (a corpus larger
-# than the caches). A cursor holds one batch of decoded rows and its file's read buffer.
+# Parquet group or JSONL file that is not kept decoded (in _row_groups or on disk) is then
+# read through a cursor: decoded a batch at a time from where the previous unit stopped, so
+# once per pass over it, where reading it whole for every unit decoded it once per unit (a
+# corpus larger than the caches). A cursor holds one batch of decoded rows and its file's
+# read buffer.
 _CURSORS = 32
 _CURSOR_BATCH_ROWS = 1024
 _CURSOR_BUFFER_BYTES = 1 << 20
+_JSONL_BLOCK_BYTES = 4 << 20
 _cursors: collections.OrderedDict[tuple, _Cursor] = collections.OrderedDict()
 
 
 @dataclasses.dataclass
 class _Cursor:
     file: Any
-    batches: Iterator[pa.RecordBatch]
+    batches: Iterator[pa.Table]  # the values, and for JSONL maybe reason codes (``_group``)
     row: int = 0  # rows of the group read or skipped so far
-    pending: pa.Array | None = None  # decoded rows from ``row`` on, not yet handed out
+    pending: pa.Table | None = None  # decoded rows from ``row`` on, not yet handed out
 
-    def take(self, n: int) -> list[pa.Array]:
+    def take(self, n: int) -> list[pa.Table]:
         """The next ``n`` rows (fewer at the end of the group)."""
-        out: list[pa.Array] = []
+        out: list[pa.Table] = []
         while n > 0:
-            if self.pending is None or not len(self.pending):
-                batch = next(self.batches, None)
-                if batch is None:
+            if self.pending is None or not self.pending.num_rows:
+                self.pending = next(self.batches, None)
+                if self.pending is None:
                     break
-                self.pending = batch.column(0)
             piece = self.pending.slice(0, n)
-            self.pending = self.pending.slice(len(piece))
+            self.pending = self.pending.slice(piece.num_rows)
             out.append(piece)
-            self.row += len(piece)
-            n -= len(piece)
+            self.row += piece.num_rows
+            n -= piece.num_rows
         return out
 
     def close(self) -> None:
@@ -461,24 +463,48 @@ def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int)
     cursor = _cursors.pop((info.path, info.size, info.content_key, group, column, start), None)
     if cursor is not None:
         return cursor
+    if info.format == "jsonl":
+        f = fs.open_input_stream(local)  # decompressed by its suffix
+        return _Cursor(f, _jsonl_blocks(info, f, column))
     metadata = _open(info, fs, local).metadata  # the footer, parsed once per file
     f = fs.open_input_file(local)
     try:
         reader = pq.ParquetFile(f, metadata=metadata, pre_buffer=False,
                                 buffer_size=_CURSOR_BUFFER_BYTES)
-        cursor = _Cursor(f, reader.iter_batches(batch_size=_CURSOR_BATCH_ROWS, row_groups=[group],
-                                                columns=[column], use_threads=False))
+        batches = reader.iter_batches(batch_size=_CURSOR_BATCH_ROWS, row_groups=[group],
+                                      columns=[column], use_threads=False)
     except BaseException:
         f.close()
         raise
-    return cursor
+    return _Cursor(f, (pa.Table.from_batches([b]) for b in batches))
+
+
+def _jsonl_blocks(info: FileInfo, f, column: str) -> Iterator[pa.Table]:
+    """A JSONL file parsed a block of whole lines (about ``_JSONL_BLOCK_BYTES``) at a time,
+    each as ``_jsonl_table`` parses a whole file (its reasons are per line)."""
+    rest, line = b"", 0
+    while True:
+        data = f.read(_JSONL_BLOCK_BYTES)
+        rest += data
+        cut = rest.rfind(b"\n") + 1 if data else len(rest)
+        if not cut:
+            if not data:
+                return
+            continue  # a line longer than a block: read on
+        block, rest = rest[:cut], rest[cut:]
+        rows = block.count(b"\n") + (not block.endswith(b"\n") and len(block) > 0)
+        if rows:
+            yield _jsonl_parse(info, block, column, rows, first_line=line)
+        line += rows
+        if not data:
+            return
 
 
 def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
-             key: tuple) -> pa.Array:
+             key: tuple) -> tuple[pa.Array, np.ndarray | None]:
     """Rows ``[start, stop)`` through ``cursor`` (at ``start``, or at 0: a new cursor, as
     after a resume, skips to ``start``), which is then kept for the next unit or, at the end
-    of the group, closed."""
+    of the group, closed. Returns what ``read_texts`` does."""
     rows = info.row_groups[group]
     while cursor.row < start and cursor.take(start - cursor.row):
         pass
@@ -486,7 +512,7 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
     ended = cursor.row != stop  # the group ended before ``stop``
     if ended or stop == rows:
         # At the group's end, the file's group must end too.
-        ended = ended or bool(cursor.pending is not None and len(cursor.pending)
+        ended = ended or bool(cursor.pending is not None and cursor.pending.num_rows
                               or next(cursor.batches, None) is not None)
         cursor.close()
         if ended:
@@ -499,7 +525,25 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
             _cursors[key + (stop,)] = cursor
             while len(_cursors) > _CURSORS:
                 _cursors.popitem(last=False)[1].close()
-    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+    return _joined(pieces)
+
+
+def _joined(pieces: list[pa.Table]) -> tuple[pa.Array, np.ndarray | None]:
+    """One unit's rows from a cursor's pieces: the values, and the reason codes if any piece
+    has some. JSONL blocks parsed apart may differ in type: Arrow's reader gives strings and
+    the line parser bytes (strings are then viewed as bytes), and in a tokens column a block
+    with no list of ids has no usable row (nulls of the list type, as in a whole file)."""
+    values = [c.chunk(0) if (c := p.column(0)).num_chunks == 1 else c.combine_chunks()
+              for p in pieces]
+    bad = None
+    if any(p.num_columns > 1 for p in pieces):
+        bad = np.concatenate([numpy_view(p.column(1)) if p.num_columns > 1
+                              else np.zeros(p.num_rows, np.int8) for p in pieces])
+    if len(types := {v.type for v in values}) > 1:
+        ids = next((t for t in types if pa.types.is_list(t)), None)
+        values = [v if v.type == ids else pa.nulls(len(v), ids) for v in values] if ids else \
+            [v.view(pa.binary()) if v.type == pa.string() else v for v in values]
+    return (values[0] if len(values) == 1 else pa.concat_arrays(values)), bad
 
 
 def _mapped(batch: pa.RecordBatch, info: FileInfo) -> bool:
@@ -528,10 +572,19 @@ def _jsonl_table(info: FileInfo, fs, local: str, column: str) -> pa.Table:
     are decompressed by their suffix."""
     with fs.open_input_stream(local) as f:
         data = f.read()
-    table = _jsonl_by_arrow(data, column, info.row_groups[0])
-    if table is not None:
-        return table
-    texts, bad = _jsonl_rows(info, data, column)
+    return _jsonl_parse(info, data, column, info.row_groups[0])
+
+
+def _jsonl_parse(info: FileInfo, data: bytes, column: str, rows: int, *,
+                 first_line: int = 0) -> pa.Table:
+    """``_jsonl_table`` of JSONL text ``data`` of ``rows`` lines, the first of them line
+    ``first_line`` (0-based) of ``info``'s file. Only the file's start may hold a byte-order
+    mark: a later line starting with one is malformed, which Arrow's reader would not see."""
+    if not (first_line and data.startswith(codecs.BOM_UTF8)):
+        table = _jsonl_by_arrow(data, column, rows)
+        if table is not None:
+            return table
+    texts, bad = _jsonl_rows(info, data, column, first_line=first_line)
     if texts and any(isinstance(t, list) for t in texts):
         # A tokens_column: lists of ids (other rows are null or malformed).
         arr = pa.array([t if isinstance(t, list) else None for t in texts],
@@ -586,10 +639,13 @@ def _jsonl_by_arrow(data: bytes, column: str, rows: int) -> pa.Table | None:
     return pa.table({"v": col})
 
 
-def _jsonl_rows(info: FileInfo, data: bytes, text_column: str) -> tuple[list, np.ndarray]:
-    """All rows of a JSONL file as UTF-8 bytes (None for null), or lists of token ids, and
-    per row the reason code of a malformed line (else 0), parsed a line at a time."""
-    data = data.removeprefix(codecs.BOM_UTF8)
+def _jsonl_rows(info: FileInfo, data: bytes, text_column: str, *,
+                first_line: int = 0) -> tuple[list, np.ndarray]:
+    """All rows of JSONL text (a file, or its lines from ``first_line`` on) as UTF-8 bytes
+    (None for null), or lists of token ids, and per row the reason code of a malformed line
+    (else 0), parsed a line at a time."""
+    if not first_line:
+        data = data.removeprefix(codecs.BOM_UTF8)
     texts: list = []
     bad = np.zeros(data.count(b"\n") + 1, dtype=np.int8)
     for lineno, line in enumerate(io.BytesIO(data)):
@@ -607,9 +663,10 @@ def _jsonl_rows(info: FileInfo, data: bytes, text_column: str) -> tuple[list, np
             continue
         if text_column not in obj:
             raise BadInputError(
-                f"{info.path}: line {lineno + 1} has no field text_column={text_column!r} "
-                f"(fields: {sorted(obj)}); set sources[].text_column", reason="missing_column",
-                path=info.path, row=lineno)
+                f"{info.path}: line {first_line + lineno + 1} has no field "
+                f"text_column={text_column!r} (fields: {sorted(obj)}); set "
+                f"sources[].text_column", reason="missing_column", path=info.path,
+                row=first_line + lineno)
         value = obj[text_column]
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
                                            for v in value):
@@ -617,9 +674,9 @@ def _jsonl_rows(info: FileInfo, data: bytes, text_column: str) -> tuple[list, np
             continue
         if value is not None and not isinstance(value, str):
             raise BadInputError(
-                f"{info.path}: line {lineno + 1}: text_column={text_column!r} holds "
-                f"{type(value).__name__}, expected a string", reason="column_type",
-                path=info.path, row=lineno)
+                f"{info.path}: line {first_line + lineno + 1}: text_column={text_column!r} "
+                f"holds {type(value).__name__}, expected a string", reason="column_type",
+                path=info.path, row=first_line + lineno)
         texts.append(None if value is None else value.encode("utf-8", "surrogatepass"))
     return texts, bad[:len(texts)]
 

@@ -82,6 +82,52 @@ def _outcomes(table: pa.Table) -> list[tuple[str | None, int]]:
     return [(t if c == 0 else None, int(c)) for t, c in zip(texts, codes, strict=True)]
 
 
+def test_jsonl_read_a_block_at_a_time_gives_the_rows_of_the_whole_file(tmp_path, monkeypatch):
+    """deal: row_groups reads a JSONL file's units in order through a cursor that parses a
+    block of lines at a time (here about 64 bytes): each unit gets the texts and reason codes
+    the whole file's parse gives it."""
+    monkeypatch.setattr(sources, "_JSONL_BLOCK_BYTES", 64)
+    rng = random.Random(11)
+    kinds = {**CLEAN, **UNCLEAN, "bom": lambda i: b'\xef\xbb\xbf{"text": "bom %d"}' % i}
+    for case in range(150):
+        lines = [kinds[rng.choice(list(CLEAN)) if rng.random() < 0.8
+                       else rng.choice([*UNCLEAN, "bom"])](i) for i in range(rng.randint(1, 40))]
+        lines = [x if isinstance(x, bytes) else x.encode("utf-8", "surrogatepass")
+                 for x in lines]
+        if lines[-1].strip(b" \t") == b"":
+            lines.append(b'{"text": "last"}')  # no unterminated blank last line (see _file)
+        data = (b"\xef\xbb\xbf" if rng.random() < 0.2 else b"") + b"\n".join(lines) + (
+            b"\n" if rng.random() < 0.7 else b"")
+        path = tmp_path / f"b{case}.jsonl"
+        path.write_bytes(data)
+        info = describe_file(str(path), None, "text")
+        step = rng.randint(1, 7)
+        units = [(a, min(a + step, info.num_rows)) for a in range(0, info.num_rows, step)]
+
+        def outcomes(arr, bad):
+            texts, codes = decode_texts(arr)
+            if bad is not None:
+                codes = np.where(bad != 0, bad, codes)
+            return [(t if c == 0 else None, int(c)) for t, c in zip(texts, codes, strict=True)]
+
+        forget_decoded()
+        got = [outcomes(*read_texts(info, 0, a, b, "text", sequential=True)) for a, b in units]
+        assert not sources._cursors, "the file's last unit closes its cursor"
+        forget_decoded()
+        want = [outcomes(*read_texts(info, 0, a, b, "text")) for a, b in units]
+        assert got == want, (case, data)
+    forget_decoded()
+    # A bad line far into the file is named by its line in the file, not in its block.
+    path = tmp_path / "named.jsonl"
+    path.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(30))
+                    + '{"body": "no text"}\n')
+    info = describe_file(str(path), None, "text")
+    with pytest.raises(BadInputError, match="line 31 has no field"):
+        for a in range(0, 31, 4):
+            read_texts(info, 0, a, min(a + 4, 31), "text", sequential=True)
+    forget_decoded()
+
+
 def test_arrow_json_reader_gives_exactly_the_line_parser_rows(tmp_path, monkeypatch):
     rng = random.Random(5)
     fast_used = 0
