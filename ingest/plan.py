@@ -18,6 +18,14 @@ Dealing large units first bounds the byte imbalance between streams by about the
 units' size (streams of a finite epoch that end early are padded, so balance is less padding);
 the random order inside each size class and the final shuffle keep every epoch's assignment
 and reading order random. With ``shuffle: false`` units are dealt in file order, unsorted.
+
+``deal: row_groups`` deals runs instead of units: a row group's consecutive units (all of
+them, or near-equal parts where the corpus has fewer than 4 runs per stream), each read by
+one stream in row order, so that a group is decoded once a pass (``ingest.sources``)::
+
+    runs         [u0 u1 u2]  [u3]  [u4 u5]        (each group one run here)
+    epoch e      permute, sort by size class, deal by bytes, per-stream permute, as above
+    read order   s0: u3 u0 u1 u2    s1: u4 u5
 """
 
 from __future__ import annotations
@@ -237,7 +245,7 @@ def build_plan(config: Config) -> UnitPlan:
             f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: some streams "
             f"would get no data. Lower unit_rows (now {config.unit_rows}; the corpus has "
             f"{int(units.num_rows.sum())} rows) or num_streams, or add data.")
-    _report_large_groups(files, config.unit_rows)
+    _report_large_groups(files, config.unit_rows, config.deal)
     blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups), f.content_key]
                        for f in files]
                       + [[s.text_column for s in config.sources]]
@@ -319,11 +327,14 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]]
     return out
 
 
-def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:
+def _report_large_groups(files: list[FileInfo], unit_rows: int, deal: str = "units") -> None:
     """Logs the Parquet row groups (and JSONL files, each one group) that units split and that
     are too large to keep decoded in memory: each is decoded once per machine and kept on disk
     (``ingest.spill``); past the disk budget, once per unit of it, which is slow, so that is a
-    warning."""
+    warning that names ``deal: row_groups``, which decodes each group once a pass as it is
+    read (and keeps no disk copies: nothing to report then)."""
+    if deal == "row_groups":
+        return
     large = [(nbytes, info.path, g, rows) for info in files if info.format in ("parquet", "jsonl")
              for g, (rows, nbytes) in enumerate(zip(info.row_groups, info.group_bytes,
                                                     strict=True))
@@ -342,8 +353,9 @@ def _report_large_groups(files: list[FileInfo], unit_rows: int) -> None:
     if total > budget:
         log.warning("%s; decoded row groups are kept on disk only up to "
                     "INGEST_ROW_GROUP_CACHE_GB=%.1f GiB, and those past it are decoded again "
-                    "for each unit of them, which is slow. %s, or raise the budget.",
-                    what, budget / 2**30, fix)
+                    "for each unit of them, which is slow. Set deal: row_groups (each group "
+                    "is then decoded once a pass, as its units are read in order), or raise "
+                    "the budget. %s too.", what, budget / 2**30, fix)
     else:
         log.info("%s; each is decoded once per machine and kept under %s. %s.", what,
                  spill.folder(), fix)

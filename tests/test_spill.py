@@ -173,7 +173,11 @@ def test_a_large_group_past_the_budget_is_a_warning(large_file, cache_dir, monke
     with caplog.at_level(logging.WARNING, logger="ingest.plan"):
         build_plan(make_config([large_file[0]], unit_rows=256))
     assert any("decoded again for each unit" in r.getMessage() and "row_group_size" in
-               r.getMessage() for r in caplog.records)
+               r.getMessage() and "deal: row_groups" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ingest.plan"):  # no disk copies to speak of
+        build_plan(make_config([large_file[0]], unit_rows=256, deal="row_groups"))
+    assert not any("hold over" in r.getMessage() for r in caplog.records)
 
 
 def test_a_large_jsonl_file_is_parsed_once_and_then_read_from_disk(cache_dir, tmp_path, caplog):
