@@ -332,9 +332,20 @@ def _report_large_groups(files: list[FileInfo], unit_rows: int, deal: str = "uni
     are too large to keep decoded in memory: each is decoded once per machine and kept on disk
     (``ingest.spill``); past the disk budget, once per unit of it, which is slow, so that is a
     warning that names ``deal: row_groups``, which decodes each group once a pass as it is
-    read (and keeps no disk copies: nothing to report then)."""
+    read (and keeps no disk copies: nothing to report then). Also says when the smaller split
+    groups together exceed what a worker keeps decoded (``4 x LARGE_GROUP_BYTES``): then most
+    units of them decode their group again under ``deal: units``."""
     if deal == "row_groups":
         return
+    split = [nbytes for info in files if info.format in ("parquet", "jsonl")
+             for rows, nbytes in zip(info.row_groups, info.group_bytes, strict=True)
+             if nbytes <= LARGE_GROUP_BYTES and rows > unit_rows]
+    if sum(split) > 4 * LARGE_GROUP_BYTES:
+        log.info("%d row group(s) split into units of unit_rows=%d hold %.2f GiB of text, more "
+                 "than a worker keeps decoded (%d MiB): with deal: units a group's units are "
+                 "read at different times, and most decode their group again. deal: row_groups "
+                 "decodes each group once a pass, as its units are read in order.", len(split),
+                 unit_rows, sum(split) / 2**30, 4 * LARGE_GROUP_BYTES >> 20)
     large = [(nbytes, info.path, g, rows) for info in files if info.format in ("parquet", "jsonl")
              for g, (rows, nbytes) in enumerate(zip(info.row_groups, info.group_bytes,
                                                     strict=True))

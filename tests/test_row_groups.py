@@ -4,6 +4,7 @@ order, each Parquet group decoded once a pass through a cursor (``ingest.sources
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 
 import numpy as np
@@ -165,6 +166,21 @@ def test_a_group_that_changed_after_planning_is_an_error(tmp_path, rows):
                                sequential=True)
     assert e.value.reason == "corrupt_file"
     forget_decoded()
+
+
+def test_the_plan_suggests_the_row_group_deal_when_split_groups_exceed_a_workers_cache(
+        tmp_path, monkeypatch, caplog):
+    from ingest import plan as plan_module
+
+    write_parquet_corpus(tmp_path, n_files=2, docs_per_file=40, row_group_size=10, seed=4)
+    monkeypatch.setattr(plan_module, "LARGE_GROUP_BYTES", 2000)  # a worker keeps 8,000 bytes
+    for deal, unit_rows, hinted in (("units", 3, True), ("units", 10, False),
+                                    ("row_groups", 3, False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ingest.plan"):
+            build_plan(make_config([tmp_path], unit_rows=unit_rows, deal=deal))
+        assert any("deal: row_groups decodes each group once" in r.getMessage()
+                   for r in caplog.records) == hinted, (deal, unit_rows)
 
 
 def test_config_names_the_deals_and_keeps_old_fingerprints(tmp_path):
