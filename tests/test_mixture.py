@@ -72,17 +72,24 @@ def test_mixture_proportions_follow_weights_in_tokens(tmp_path, weights):
     assert st["rows"] == [int((owner == i).sum()) for i in range(2)]
 
 
+# deal: row_groups with 2 units a group: each source's runs dealt on their own.
+DEALS = [dict(deal="units"), dict(deal="row_groups", unit_rows=2)]
+
+
+@pytest.mark.parametrize("deal", DEALS, ids=["units", "row_groups"])
 @pytest.mark.parametrize("packing", ["concat", "best_fit"])
-def test_mixture_resumes_identically_at_every_row(tmp_path, packing):
+def test_mixture_resumes_identically_at_every_row(tmp_path, packing, deal):
     config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (2.0, 1.0), num_epochs=1,
-                     packing=packing)
+                     packing=packing, **deal)
     plan = build_plan(config)
     run = assert_resumes_identically(lambda: open_stream(config, plan, 0), next_row)
     assert len(run.outputs) > 10
 
 
-def test_finite_mixture_emits_every_component_row_once(tmp_path):
-    config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (5.0, 1.0), num_epochs=2)
+@pytest.mark.parametrize("deal", DEALS, ids=["units", "row_groups"])
+def test_finite_mixture_emits_every_component_row_once(tmp_path, deal):
+    config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (5.0, 1.0), num_epochs=2,
+                     **deal)
     plan = build_plan(config)
     for s in range(config.num_streams):
         mixed = drain(open_stream(config, plan, s), n_rows=[3, 5, 1])
