@@ -20,8 +20,9 @@ the random order inside each size class and the final shuffle keep every epoch's
 and reading order random. With ``shuffle: false`` units are dealt in file order, unsorted.
 
 ``deal: row_groups`` deals runs instead of units: a row group's consecutive units (all of
-them, or near-equal parts where the corpus has fewer than 4 runs per stream), each read by
-one stream in row order, so that a group is decoded once a pass (``ingest.sources``)::
+them, or near-equal parts of at most ceil(units / (4 x streams)) units, so that every stream
+gets work), each read by one stream in row order, so that a group is decoded once a pass
+(``ingest.sources``)::
 
     runs         [u0 u1 u2]  [u3]  [u4 u5]        (each group one run here)
     epoch e      permute, sort by size class, deal by bytes, per-stream permute, as above
