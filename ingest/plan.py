@@ -217,8 +217,7 @@ def build_plan(config: Config) -> UnitPlan:
     # _describe_all stops at the first error raised here, so it may be the shorter.
     for (si, p), info in zip(jobs, _describe_all(config, jobs), strict=False):
         if isinstance(info, BadInputError):
-            # A missing or mistyped column is a config mistake, never skipped silently.
-            if config.on_bad_file == "skip" and info.reason == "corrupt_file":
+            if _skipped(config, info):
                 skipped.append((p, info.reason, str(info)))
                 continue
             raise info
@@ -314,8 +313,7 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]]
                                                thread_name_prefix="ingest-plan") as pool:
         for future in [pool.submit(describe, job) for job in jobs]:
             out.append(info := future.result())
-            if isinstance(info, BadInputError) and not (config.on_bad_file == "skip"
-                                                        and info.reason == "corrupt_file"):
+            if isinstance(info, BadInputError) and not _skipped(config, info):
                 pool.shutdown(cancel_futures=True)  # this error ends the plan
                 break
             if time.monotonic() - last > _PROGRESS_EVERY_S:
@@ -326,6 +324,12 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]]
         log.info("planning: read the metadata of %d files in %.1f s", len(jobs),
                  time.monotonic() - start)
     return out
+
+
+def _skipped(config: Config, error: BadInputError) -> bool:
+    """Whether the plan skips the file of ``error``: only unreadable files, and only under
+    ``on_bad_file: skip``; a missing or mistyped column is a config mistake, never skipped."""
+    return config.on_bad_file == "skip" and error.reason == "corrupt_file"
 
 
 def _report_large_groups(files: list[FileInfo], unit_rows: int, deal: str = "units") -> None:

@@ -284,8 +284,7 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: s
         longer has the rows the plan counted.
     """
     if info.table is not None:
-        col = info.table.column(text_column).slice(start, stop - start)
-        return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), None
+        return _one_array(info.table.column(text_column).slice(start, stop - start)), None
     fs, local = _filesystem(info.path)
     try:
         if sequential and info.format in ("parquet", "jsonl"):
@@ -297,10 +296,9 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: s
                 return _read_on(cursor, info, group, start, stop, key)
         with _read_lock:
             table = _group(info, fs, local, group, text_column)
-        col = table.column(0).slice(start, stop - start)
         bad = numpy_view(table.column(1).slice(start, stop - start)) if table.num_columns > 1 \
             else None
-        return (col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)), bad
+        return _one_array(table.column(0).slice(start, stop - start)), bad
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -403,11 +401,8 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
             table = pa.Table.from_batches([batch])
             if _is_local(fs) and _mapped(batch, info):
                 return table  # points into the mapped file: nothing to keep
-    if table.num_rows != (rows := info.row_groups[group]):
-        raise BadInputError(
-            f"{info.path}: row group {group} has {table.num_rows} rows, and had {rows} when "
-            f"the plan was built: the file changed since; restart the job to plan afresh, or "
-            f"set on_bad_file: skip", reason="corrupt_file", path=info.path)
+    if table.num_rows != info.row_groups[group]:
+        raise _changed(info, group, str(table.num_rows))
     if table.nbytes <= LARGE_GROUP_BYTES:
         _row_groups[key] = table
         _row_group_bytes += table.nbytes
@@ -516,10 +511,8 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
                               or next(cursor.batches, None) is not None)
         cursor.close()
         if ended:
-            raise BadInputError(
-                f"{info.path}: row group {group} does not have the {rows} rows it had when the "
-                f"plan was built: the file changed since; restart the job to plan afresh, or "
-                f"set on_bad_file: skip", reason="corrupt_file", path=info.path)
+            raise _changed(info, group, str(cursor.row) if cursor.row < stop
+                           else f"more than {rows}")
     else:
         with _read_lock:
             _cursors[key + (stop,)] = cursor
@@ -528,13 +521,20 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
     return _joined(pieces)
 
 
+def _changed(info: FileInfo, group: int, found: str) -> BadInputError:
+    """The error for a group that no longer has the rows the plan counted (``found`` now)."""
+    return BadInputError(
+        f"{info.path}: row group {group} has {found} rows, and had {info.row_groups[group]} "
+        f"when the plan was built: the file changed since; restart the job to plan afresh, or "
+        f"set on_bad_file: skip", reason="corrupt_file", path=info.path)
+
+
 def _joined(pieces: list[pa.Table]) -> tuple[pa.Array, np.ndarray | None]:
     """One unit's rows from a cursor's pieces: the values, and the reason codes if any piece
     has some. JSONL blocks parsed apart may differ in type: Arrow's reader gives strings and
     the line parser bytes (strings are then viewed as bytes), and in a tokens column a block
     with no list of ids has no usable row (nulls of the list type, as in a whole file)."""
-    values = [c.chunk(0) if (c := p.column(0)).num_chunks == 1 else c.combine_chunks()
-              for p in pieces]
+    values = [_one_array(p.column(0)) for p in pieces]
     bad = None
     if any(p.num_columns > 1 for p in pieces):
         bad = np.concatenate([numpy_view(p.column(1)) if p.num_columns > 1
@@ -724,6 +724,11 @@ BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json",
                "invalid_token_id", "tokenizer_error", "worker_crash")
 
 
+def _one_array(col: pa.ChunkedArray) -> pa.Array:
+    """``col`` as one array: its only chunk as it is, else the chunks joined (a copy)."""
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+
 def numpy_view(arr: pa.Array | pa.ChunkedArray, *, nulls_ok: bool = False) -> np.ndarray:
     """A numpy copy-free view of an Arrow integer array (booleans: unpacked).
 
@@ -732,7 +737,7 @@ def numpy_view(arr: pa.Array | pa.ChunkedArray, *, nulls_ok: bool = False) -> np
     ``nulls_ok``, the values at null slots are undefined: mask them with ``is_null()``.
     """
     if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+        arr = _one_array(arr)
     if arr.null_count and not nulls_ok:
         raise ValueError("numpy_view needs an array without nulls (or nulls_ok=True)")
     n = len(arr)

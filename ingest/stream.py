@@ -565,7 +565,7 @@ class Stream:
 
 
 # The last deals made in this process: (plan, dealt) by (id(plan), num_streams, seed, epoch,
-# shuffle, source). The streams of a worker share its plan and each needs the same deal at
+# shuffle, source, deal). The streams of a worker share its plan and each needs the same deal at
 # every epoch (a mixture: each source's); dealing loops over every unit in Python (0.24 s for
 # a million units), once, not once per stream.
 _DEALS: OrderedDict[tuple, tuple[UnitPlan, list[np.ndarray]]] = OrderedDict()
