@@ -65,6 +65,8 @@ class MixtureState:
       tokens, rows: tokens and rows taken per source since the start (reported).
       rows_emitted: rows produced.
       exhausted: every component has ended.
+      component_documents: per source, its ``documents`` counter after the rows taken (the
+        components' states run up to a chunk behind). Absent in states saved before it.
     """
 
     components: list[dict[str, Any]]
@@ -74,18 +76,20 @@ class MixtureState:
     rows: list[int]
     rows_emitted: int = 0
     exhausted: bool = False
+    component_documents: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def start(cls, weights: list[float]) -> MixtureState:
         n = len(weights)
         return cls([{"state": None, "taken": 0} for _ in range(n)], list(weights), [0] * n,
-                   [0] * n, [0] * n)
+                   [0] * n, [0] * n, component_documents=[0] * n)
 
 
 @dataclasses.dataclass
 class _Component:
     stream: Stream
     fields: np.ndarray | None = None  # the last chunk produced, [6, rows, L]
+    documents: np.ndarray | None = None  # its documents counter by row
     state_after: dict[str, Any] | None = None
     chunk_exhausted: bool = False
     exhausted: bool = False
@@ -117,11 +121,13 @@ class MixedStream:
         d = dataclasses.asdict(st)
         d["version"] = MIXTURE_STATE_VERSION
         d["kind"] = "mixture"
-        # Component counters as of their last chunk, summed for the feed's stats (they run a
-        # few rows ahead of what the mixture has taken; exact once the data ends).
+        # Component counters as of the start of their current chunk, summed for the feed's
+        # stats (up to a chunk behind the rows taken; exact once the data ends). Documents are
+        # counted by row.
         subs = [c["state"] or {} for c in st.components]
         for name in _SUMMED:
             d[name] = sum(s.get(name, 0) for s in subs)
+        d["documents"] = sum(st.component_documents)
         skipped: dict[str, dict[str, int]] = {}
         skipped_units: dict[str, int] = {}
         for s in subs:
@@ -154,6 +160,9 @@ class MixedStream:
                     f"removed on resume")
             if st.weights != self._weights:
                 st.weights, st.credit = list(self._weights), [0] * len(self._weights)
+            if not st.component_documents:  # saved before it was kept
+                st.component_documents = [(c["state"] or {}).get("documents", 0)
+                                          for c in st.components]
         self._state = st
         for c, saved in zip(self._components, st.components, strict=True):
             c.stream.set_state(saved["state"] if saved["state"] is not None
@@ -190,9 +199,11 @@ class MixedStream:
             chunk = c.stream.produce(saved["taken"] + want + _READ_AHEAD_ROWS)
             c.fields, c.state_after, c.chunk_exhausted = (chunk.fields, chunk.state_after,
                                                           chunk.exhausted)
+            c.documents = chunk.documents
             if self._settle(i):
                 return None
         row = c.fields[:, saved["taken"]]
+        self._state.component_documents[i] = int(c.documents[saved["taken"]])
         saved["taken"] += 1
         return row
 
@@ -214,6 +225,7 @@ class MixedStream:
         st = self._state
         L = self.config.seq_len
         out = np.zeros((len(FIELDS), n_rows, L), dtype=np.int32)
+        documents = np.zeros(n_rows, np.int64)
         total_w = sum(self._weights)
         got = 0
         while got < n_rows and not st.exhausted:
@@ -226,6 +238,7 @@ class MixedStream:
             if row is None:
                 continue
             out[:, got] = row
+            documents[got] = sum(st.component_documents)
             tokens = int(np.count_nonzero(row[_SEG]))
             st.credit[i] += tokens
             st.tokens[i] += tokens
@@ -235,7 +248,8 @@ class MixedStream:
         if all(ended):
             st.exhausted = True
         st.rows_emitted += got
-        return Chunk(self.stream_id, out[:, :got], self.get_state(), st.exhausted)
+        return Chunk(self.stream_id, out[:, :got], self.get_state(), st.exhausted,
+                     documents[:got])
 
     def set_trace(self, trace) -> None:
         """See ``Stream.set_trace``; the trace names the component as ``source``."""

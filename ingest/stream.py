@@ -98,12 +98,15 @@ class Chunk:
       fields: int32 ``[6, num_rows, seq_len]`` in ``FIELDS`` order.
       state_after: ``StreamState.to_json()`` after the last row.
       exhausted: the stream has no rows after these (fewer than asked may have come).
+      documents: int64 ``[num_rows]``: the state's ``documents`` counter as it reads after
+        each row (the state itself is saved at chunk ends only); None where not counted.
     """
 
     stream_id: int
     fields: np.ndarray
     state_after: dict[str, Any]
     exhausted: bool
+    documents: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -417,9 +420,10 @@ class Stream:
         c = self.config
         try:
             if c.packing == "concat":
-                fields = self._produce_concat(n_rows)
+                fields, documents = self._produce_concat(n_rows)
             else:
-                fields = shift_rows(*self._produce_bins(n_rows), shift=c.shift,
+                *rows, documents = self._produce_bins(n_rows)
+                fields = shift_rows(*rows, shift=c.shift,
                                     predict_across_documents=c.predict_across_documents,
                                     eos_id=self.tokenizer.eos_id)
         except (BadInputError, StreamError):
@@ -430,19 +434,20 @@ class Stream:
                 f"stream {self.stream_id} failed at epoch {s.epoch}, unit {s.unit}, document "
                 f"{s.doc}: {type(e).__name__}: {e}", stream_id=self.stream_id) from e
         self._state.rows_emitted += fields.shape[1]
-        return Chunk(self.stream_id, fields, self.get_state(), self._state.exhausted)
+        return Chunk(self.stream_id, fields, self.get_state(), self._state.exhausted, documents)
 
     def _width(self) -> int:
         return self.config.seq_len + (1 if self.config.shift == "left" else 0)
 
-    def _empty(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _empty(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         w = self._width()
-        return np.zeros((0, w), np.int32), np.zeros((0, w), bool), np.zeros((0, w), bool)
+        return (np.zeros((0, w), np.int32), np.zeros((0, w), bool), np.zeros((0, w), bool),
+                np.zeros(0, np.int64))
 
-    def _no_fields(self) -> np.ndarray:
-        return np.zeros((len(FIELDS), 0, self.config.seq_len), np.int32)
+    def _no_fields(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((len(FIELDS), 0, self.config.seq_len), np.int32), np.zeros(0, np.int64)
 
-    def _produce_concat(self, n_rows: int) -> np.ndarray:
+    def _produce_concat(self, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
         L = c.seq_len
         width = self._width()
@@ -471,6 +476,7 @@ class Stream:
         fields = concat_fields(flat_t, flat_s, rows, L, shift=c.shift,
                                predict_across_documents=c.predict_across_documents,
                                eos_id=self.tokenizer.eos_id)
+        documents = self._documents_by_row(at, i + 1, rows)
         # Move the head to token rows*L past it; rows only run short when the data ended.
         target = at + rows * L
         k = 0
@@ -481,7 +487,23 @@ class Stream:
             self._advance(len(self._loaded), None)
         else:
             self._advance(k, target)
-        return fields
+        return fields, documents
+
+    def _documents_by_row(self, at: int, n_units: int, rows: int) -> np.ndarray:
+        """The ``documents`` counter after each of ``rows`` rows read from token ``at`` of the
+        head unit on, over the first ``n_units`` loaded units: the head passes a document once
+        the rows reach its end (as ``_advance`` counts)."""
+        L = self.config.seq_len
+        ends, start = [], -at
+        for k in range(n_units):
+            u = self._loaded[k]
+            first = self._state.doc - u.first_doc if k == 0 else 0
+            good = u.bad[first:] == 0
+            ends.append(u.doc_offsets[first + 1:][good] + start)
+            start += len(u.tokens)
+        ends = np.concatenate(ends) if len(ends) > 1 else ends[0]
+        passed = np.searchsorted(ends, np.arange(1, rows + 1, dtype=np.int64) * L, "right")
+        return passed + self._state.documents
 
     def _pieces(self, u: _UnitTokens, rel_doc: int, offset: int) -> tuple[list[np.ndarray],
                                                                           list[tuple]]:
@@ -546,7 +568,9 @@ class Stream:
             take = min(n_rows - got, nb - s.batch_rows_taken)
             if take > 0:
                 a = s.batch_rows_taken
-                out.append(tuple(x[a:a + take] for x in self._batch))
+                # The head moves once the batch's last row is taken (below).
+                out.append((*(x[a:a + take] for x in self._batch),
+                            np.full(take, s.documents, np.int64)))
                 got += take
                 s.batch_rows_taken += take
             if s.batch_rows_taken >= nb:
@@ -559,9 +583,11 @@ class Stream:
                     k, rel, off = nxt
                     base = self._loaded[k]
                     self._advance(k, int(base.doc_offsets[rel]) + off)
+                if take > 0:
+                    out[-1][3][-1] = s.documents
         if not out:
             return self._empty()
-        return tuple(np.concatenate([o[j] for o in out]) for j in range(3))
+        return tuple(np.concatenate([o[j] for o in out]) for j in range(4))
 
 
 # The last deals made in this process: (plan, dealt) by (id(plan), num_streams, seed, epoch,

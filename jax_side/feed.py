@@ -198,17 +198,28 @@ class LocalSource:
 class _Cursor:
     """Where one stream is in the host's view: ``base`` is the state after the last chunk fully
     taken (None: the stream's beginning); ``extra`` rows past it were skipped on restore, and
-    ``taken`` rows of the current chunk were used."""
+    ``taken`` rows of the current chunk were used. ``documents``: the stream's documents
+    counter after ``base`` and ``extra`` (None: ``base``'s own)."""
 
     base: dict[str, Any] | None = None
     extra: int = 0
     chunk: Chunk | None = None
     taken: int = 0
+    documents: int | None = None
+
+    def passed(self) -> int:
+        """The stream's documents counter after the rows taken (states are saved at chunk
+        ends; chunks count documents by row)."""
+        if self.chunk is not None and self.taken and self.chunk.documents is not None:
+            return int(self.chunk.documents[self.taken - 1])
+        if self.documents is not None:
+            return self.documents
+        return int((self.base or {}).get("documents", 0))
 
     def snapshot(self) -> dict[str, Any]:
         if self.chunk is not None and self.taken == self.chunk.num_rows:
-            return {"state": self.chunk.state_after, "taken": 0}
-        return {"state": self.base, "taken": self.extra + self.taken}
+            return {"state": self.chunk.state_after, "taken": 0, "documents": self.passed()}
+        return {"state": self.base, "taken": self.extra + self.taken, "documents": self.passed()}
 
 
 @dataclasses.dataclass
@@ -399,7 +410,8 @@ class HostFeed:
         self._step = int(state["step"])
         for s in self._rows.streams:
             st = state["streams"][str(s)]
-            self._cursors[s] = _Cursor(base=st["state"], extra=int(st["taken"]))
+            self._cursors[s] = _Cursor(base=st["state"], extra=int(st["taken"]),
+                                       documents=st.get("documents"))
         self._state = self._snapshot()
         self._pass_started = False
 
@@ -426,6 +438,7 @@ class HostFeed:
                 if c.chunk.exhausted:
                     break
                 c.base, c.extra, c.chunk, c.taken = c.chunk.state_after, 0, None, 0
+                c.documents = None
             if c.chunk is None:
                 c.chunk = self._source.next_chunk(s)
                 c.taken = 0
@@ -728,7 +741,7 @@ class HostFeed:
             s = st["state"] or {}
             if s.get("kind") == "mixture":
                 mix_tokens += s["tokens"]
-            documents += s.get("documents", 0)
+            documents += st.get("documents", s.get("documents", 0))
             truncated_docs += s.get("truncated_documents", 0)
             truncated_tokens += s.get("truncated_tokens", 0)
             for reason, per_file in s.get("skipped", {}).items():

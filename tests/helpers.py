@@ -143,6 +143,9 @@ def drain(stream: Stream, n_rows: int | Sequence[int] = 1, max_chunks: int = 100
     for i in range(max_chunks):
         chunk = stream.produce(sizes[i % len(sizes)])
         assert chunk.state_after == stream.get_state()
+        if chunk.documents is not None and chunk.num_rows:
+            assert len(chunk.documents) == chunk.num_rows
+            assert chunk.documents[-1] == chunk.state_after["documents"]
         if chunk.num_rows:
             parts.append(chunk.fields)
         if chunk.exhausted or not chunk.num_rows:

@@ -453,6 +453,30 @@ def test_state_after_each_step_restores_the_rest_exactly(config, plan, sharding_
         assert digest_of(rest) == digest_of(batches[step:]), f"restored at step {step}"
 
 
+def test_stats_count_documents_exactly_at_every_step_and_after_restore(config, plan,
+                                                                      sharding_1d, reference):
+    # States are saved at chunk ends (3 rows here; a step takes 2 of each stream), yet the
+    # documents reported after each step are those of exactly the rows delivered.
+    by_row = []
+    for s in range(NUM_STREAMS):
+        chunk = Stream(config, plan, s).produce(10_000)
+        assert chunk.exhausted
+        by_row.append(chunk.documents)
+
+    def expected(step: int) -> int:
+        return sum(int(d[min(step * K, len(d)) - 1]) for d in by_row) if step else 0
+
+    seen = []
+    with HostFeed(config, sharding=sharding_1d, backend="local", plan=plan) as feed:
+        drain(feed, after_each=lambda f: seen.append(f.stats()["documents"]))
+    assert seen == [expected(step) for step in range(1, len(seen) + 1)]
+    assert seen[-1] == 4 * 60 and len(set(seen)) == len(seen)
+    for step in (1, 2, 3):
+        restored = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan)
+        restored.set_state(json.loads(json.dumps(reference["states"][step])))
+        assert restored.stats()["documents"] == expected(step), f"restored at step {step}"
+
+
 def test_get_state_ignores_batches_prefetched_ahead(config, plan, sharding_1d, reference):
     # A slow consumer: after each batch the background thread has time to fill its queue
     # (device_prefetch=2) and to start the next step, yet the state must be exactly the one

@@ -100,6 +100,42 @@ def test_finite_mixture_emits_every_component_row_once(tmp_path, deal):
         assert [owner.count(i) for i in range(2)] == [p.shape[1] for p in parts]
 
 
+def _rows_and_documents(stream, sizes):
+    fields, documents = [], []
+    for i in range(1000):
+        chunk = stream.produce(sizes[i % len(sizes)])
+        fields.append(chunk.fields)
+        documents += chunk.documents.tolist()
+        if chunk.exhausted:
+            return np.concatenate(fields, axis=1), documents
+    raise AssertionError("the stream did not end")
+
+
+def test_mixture_counts_documents_of_the_component_rows_taken(tmp_path):
+    # The components read ahead of the mixture; its documents must count only the component
+    # rows it has taken, row by row, and survive a resume mid-chunk.
+    config = _config(_corpora(tmp_path, ((2, 12, 4), (2, 8, 4))), (2.0, 1.0), num_epochs=1)
+    plan = build_plan(config)
+    for s in range(config.num_streams):
+        mixed, documents = _rows_and_documents(open_stream(config, plan, s), [3, 5, 1])
+        parts = [_rows_and_documents(Stream(config, plan, s, source=i), [7]) for i in range(2)]
+        owner = _attribute(mixed, [p for p, _ in parts])
+        taken = [0, 0]
+        expected = []
+        for i in owner:
+            taken[i] += 1
+            expected.append(sum(parts[j][1][taken[j] - 1] if taken[j] else 0 for j in range(2)))
+        assert documents == expected
+        assert documents[-1] == parts[0][1][-1] + parts[1][1][-1] > 0
+        for stop in (1, 4, 9):
+            first = open_stream(config, plan, s)
+            first.produce(stop)
+            resumed = open_stream(config, plan, s)
+            resumed.set_state(json.loads(json.dumps(first.get_state())))
+            assert resumed.get_state()["documents"] == expected[stop - 1]
+            assert resumed.produce(2).documents.tolist() == expected[stop:stop + 2]
+
+
 def test_weights_changed_on_resume_keep_every_position(tmp_path):
     paths = _corpora(tmp_path)
     before = _config(paths, (1.0, 1.0))

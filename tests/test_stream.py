@@ -343,6 +343,37 @@ def test_stream_counts_documents_and_rows_in_its_state(corpus):
     assert sum(s["documents"] for s in states) == len(corpus[1])
 
 
+@pytest.mark.parametrize(("packing", "long_documents"), [
+    ("concat", "split"), ("first_fit", "split"), ("best_fit", "truncate"), ("none", "split")])
+def test_chunks_count_documents_by_row_as_the_state_would_after_each_row(tmp_path, packing,
+                                                                          long_documents):
+    # The state is saved at chunk ends; a chunk's documents[i] must be what the state would
+    # say after its row i, so the feed can report documents exactly at any step.
+    texts = make_texts(40, 5, max_words=60)
+    for i in (0, 7, 8, 21, 39):  # skipped documents at a unit's start, inside, and at the end
+        texts[i] = None
+    path = write_parquet(tmp_path / "a.parquet", texts, row_group_size=7)
+    config = make_config([path], unit_rows=3, seq_len=16, packing=packing, packing_bins=3,
+                         long_documents=long_documents, on_bad_document="skip", num_epochs=2)
+    plan = build_plan(config)
+    one_by_one = Stream(config, plan, 0)
+    after_each_row = []
+    while not one_by_one.get_state()["exhausted"]:
+        if one_by_one.produce(1).num_rows:
+            after_each_row.append(one_by_one.get_state()["documents"])
+    assert after_each_row[-1] == 2 * 35, "every good document is counted once an epoch"
+    assert len(set(after_each_row)) > 20, "the count moves within chunks, not only at ends"
+    for sizes in ([len(after_each_row)], [1, 5, 2], [7]):
+        stream = Stream(config, plan, 0)
+        by_row = []
+        for i in itertools.count():
+            chunk = stream.produce(sizes[i % len(sizes)])
+            by_row += chunk.documents.tolist()
+            if chunk.exhausted:
+                break
+        assert by_row == after_each_row, sizes
+
+
 def test_resume_of_an_endless_stream_matches_unbroken_stream(corpus):
     config = corpus_config(corpus, num_epochs=None, packing="best_fit")
     plan = build_plan(config)
