@@ -39,6 +39,7 @@ import heapq
 import json
 import logging
 import operator
+import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, overload
@@ -161,6 +162,9 @@ class UnitPlan:
       skipped_files: (path, reason, message) for files skipped under ``on_bad_file: skip``.
       fingerprint: hash of the files and their metadata.
       pretokenized: per source, whether its column holds token ids (``tokens_column``).
+      content_fingerprint: the same hash with each file's path relative to the folder its
+        source's files share, so that a corpus moved elsewhere (another bucket, a local
+        mirror) keeps it; empty where not computed (a materialized plan).
     """
 
     files: tuple[FileInfo, ...]
@@ -169,6 +173,7 @@ class UnitPlan:
     skipped_files: tuple[tuple[str, str, str], ...]
     fingerprint: str
     pretokenized: tuple[bool, ...] = ()
+    content_fingerprint: str = ""
 
     @property
     def total_rows(self) -> int:
@@ -246,17 +251,31 @@ def build_plan(config: Config) -> UnitPlan:
             f"would get no data. Lower unit_rows (now {config.unit_rows}; the corpus has "
             f"{int(units.num_rows.sum())} rows) or num_streams, or add data.")
     _report_large_groups(files, config.unit_rows, config.deal)
-    blob = json.dumps([[f.path, f.format, f.size, list(f.row_groups), f.content_key]
-                       for f in files]
-                      + [[s.text_column for s in config.sources]]
-                      + [config.unit_rows]
-                      + ([[s.tokens_column for s in config.sources]]
-                         if any(s.tokens_column for s in config.sources) else []))
+    rest = ([[s.text_column for s in config.sources]] + [config.unit_rows]
+            + ([[s.tokens_column for s in config.sources]]
+               if any(s.tokens_column for s in config.sources) else []))
+
+    def digest(paths: list[str]) -> str:
+        blob = json.dumps([[p, f.format, f.size, list(f.row_groups), f.content_key]
+                           for p, f in zip(paths, files, strict=True)] + rest)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
     return UnitPlan(files=tuple(files),
                     text_columns=tuple(s.column for s in config.sources),
                     units=units, skipped_files=tuple(skipped),
-                    fingerprint=hashlib.sha256(blob.encode()).hexdigest()[:16],
-                    pretokenized=tuple(s.tokens_column is not None for s in config.sources))
+                    fingerprint=digest([f.path for f in files]),
+                    pretokenized=tuple(s.tokens_column is not None for s in config.sources),
+                    content_fingerprint=digest(_relative_paths(files, file_source)))
+
+
+def _relative_paths(files: list[FileInfo], file_source: list[int]) -> list[str]:
+    """Each file's source index and path below the folder its source's files share."""
+    roots = {}
+    for si in set(file_source):
+        paths = [f.path for f, s in zip(files, file_source, strict=True) if s == si]
+        common = os.path.commonprefix(paths)
+        roots[si] = common[:common.rfind("/") + 1]
+    return [f"{si}:{f.path[len(roots[si]):]}" for f, si in zip(files, file_source, strict=True)]
 
 
 def _cut_units(files: list[FileInfo], file_source: list[int], unit_rows: int) -> Units:

@@ -48,6 +48,8 @@ FEED_ITEM = "feed"
 _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 # Keys every process file holds; all but "streams" must agree between the processes.
 _SHARED_KEYS = ("version", "step", "config_fingerprint", "corpus_fingerprint", "config")
+# Shared by every process file where present (older checkpoints lack them).
+_OPTIONAL_SHARED_KEYS = ("corpus_content",)
 
 
 class FeedCheckpointError(ValueError):
@@ -202,12 +204,12 @@ def _merge_process_states(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
         them hold different states for one stream.
     """
     (first_path, first), *rest = states.items()
-    merged = {k: first[k] for k in _SHARED_KEYS}
+    merged = {k: first[k] for k in (*_SHARED_KEYS, *_OPTIONAL_SHARED_KEYS) if k in first}
     merged["streams"] = dict(first["streams"])
     owner = dict.fromkeys(first["streams"], first_path)
     for path, state in rest:
-        for k in _SHARED_KEYS:
-            if state[k] != merged[k]:
+        for k in (*_SHARED_KEYS, *_OPTIONAL_SHARED_KEYS):
+            if state.get(k) != merged.get(k):
                 raise FeedCheckpointError(
                     f"the process files of one step disagree on {k!r}: {first_path} has "
                     f"{_short(merged[k])}, {path} has {_short(state[k])}; every host must save "
@@ -221,6 +223,19 @@ def _merge_process_states(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             owner.setdefault(sid, path)
     merged["streams"] = dict(sorted(merged["streams"].items(), key=lambda kv: int(kv[0])))
     return merged
+
+
+def _moved(state: dict[str, Any], now: dict[str, Any], plan: UnitPlan) -> bool:
+    """Whether the saved corpus is ``plan``'s, moved: only ``sources[].paths`` differ, and the
+    files found there are the same (paths relative to their source's folder, sizes, row
+    groups, content keys, order)."""
+    saved = state.get("config", {})
+    if (saved == now or not plan.content_fingerprint
+            or state.get("corpus_content") != plan.content_fingerprint):
+        return False
+    without = [{**s, "paths": None} for s in saved.get("sources", [])]
+    return ({**saved, "sources": without}
+            == {**now, "sources": [{**s, "paths": None} for s in now["sources"]]})
 
 
 def _describe(x: Any) -> str:
@@ -356,13 +371,22 @@ def check_compatible(state: dict[str, Any], config: Config, plan: UnitPlan) -> N
     problems = []
     saved = state.get("config", {})
     now = config.output_fields()
+    moved = _moved(state, now, plan)
     for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
+        if saved.get(key) != now.get(key) and not (key == "sources" and moved):
             problems.append(f"{key}: checkpoint has {saved.get(key)!r}, config has {now.get(key)!r}")
-    if state.get("corpus_fingerprint") != plan.fingerprint:
+    if state.get("corpus_fingerprint") != plan.fingerprint and not moved:
         problems.append(f"the corpus changed (fingerprint {state.get('corpus_fingerprint')} in "
                         f"the checkpoint, {plan.fingerprint} now): files were added, removed or "
-                        f"rewritten")
+                        f"rewritten"
+                        + ("" if "corpus_content" in state else
+                           "; a corpus moved elsewhere restores only from checkpoints saved "
+                           "with its content fingerprint (this version on)"))
+    if moved:
+        log.warning("the corpus moved (sources[].paths %s in the checkpoint, %s now): the same "
+                    "files relative to their folders, with the same sizes, row groups and "
+                    "content, in the same order; restoring there",
+                    [s["paths"] for s in saved["sources"]], [s["paths"] for s in now["sources"]])
     if problems:
         raise ValueError("cannot restore the feed: " + "; ".join(problems)
                          + ". Restore with the original config and corpus, or start fresh.")

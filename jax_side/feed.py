@@ -378,7 +378,7 @@ class HostFeed:
         return self._rows.streams
 
     def _snapshot(self) -> dict[str, Any]:
-        return {
+        state = {
             "version": HOST_STATE_VERSION,
             "config_fingerprint": self._fingerprints[0],
             "config": self._fingerprints[1],
@@ -386,6 +386,10 @@ class HostFeed:
             "step": self._step,
             "streams": {str(s): c.snapshot() for s, c in self._cursors.items()},
         }
+        if self.plan.content_fingerprint:
+            # Without the files' locations: lets a moved corpus restore (check_compatible).
+            state["corpus_content"] = self.plan.content_fingerprint
+        return state
 
     def get_state(self) -> dict[str, Any]:
         """The state after the last batch the consumer received (small JSON)."""

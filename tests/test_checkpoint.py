@@ -264,6 +264,47 @@ def test_restore_over_changed_corpus_is_refused(ray_cluster, tmp_path, edit):
     feed.close()
 
 
+@pytest.mark.parametrize("copy", ["same", "file_rewritten", "files_renamed"])
+def test_a_corpus_moved_elsewhere_restores_only_if_its_files_are_the_same(tmp_path, copy,
+                                                                           caplog):
+    # A corpus copied to another place (another bucket, a local mirror) with the config's
+    # paths changed to it must continue exactly; a copy whose files differ must not.
+    old = tmp_path / "bucket" / "corpus"
+    write_parquet_corpus(old, n_files=3, docs_per_file=20, row_group_size=10, seed=9)
+    config = make_config([old], **CONCAT)
+    with HostFeed(config, sharding=sharding(), backend="local") as feed:
+        digests = [digest(b) for b in feed]
+    with HostFeed(config, sharding=sharding(), backend="local") as feed:
+        for _ in range(2):
+            next(feed)
+        # Through JSON, as from a checkpoint file.
+        state = json.loads(json.dumps(feed.get_state()))
+    new = tmp_path / "mirror" / "data"
+    shutil.copytree(old, new)
+    if copy == "file_rewritten":
+        write_parquet_corpus(new, n_files=1, docs_per_file=20, row_group_size=10, seed=10)
+    elif copy == "files_renamed":  # the same files, in another order
+        (new / "part-00000.parquet").rename(new / "part-00009.parquet")
+    moved = config.replace(sources=(dataclasses.replace(config.sources[0], paths=(str(new),)),))
+    feed = HostFeed(moved, sharding=sharding(), backend="local")
+    if copy != "same":
+        with pytest.raises(ValueError, match=r"sources: checkpoint has .*the corpus changed"):
+            feed.set_state(state)
+        feed.close()
+        return
+    with caplog.at_level(logging.WARNING, logger="jax_side.checkpoint"):
+        feed.set_state(state)
+    assert f"the corpus moved (sources[].paths [['{old}']] in the checkpoint" in caplog.text
+    with feed:
+        assert [digest(b) for b in feed] == digests[2:]
+    # A checkpoint from before the content fingerprint was saved says why it cannot.
+    del state["corpus_content"]
+    feed = HostFeed(moved, sharding=sharding(), backend="local")
+    with pytest.raises(ValueError, match="restores only from checkpoints saved with its content"):
+        feed.set_state(state)
+    feed.close()
+
+
 # -- files on disk, corruption and fallback --------------------------------------------------
 
 
