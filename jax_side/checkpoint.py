@@ -379,7 +379,7 @@ def check_compatible(state: dict[str, Any], config: Config, plan: UnitPlan) -> N
         problems.append(f"the corpus changed (fingerprint {state.get('corpus_fingerprint')} in "
                         f"the checkpoint, {plan.fingerprint} now): files were added, removed or "
                         f"rewritten"
-                        + ("" if "corpus_content" in state else
+                        + ("" if "corpus_content" in state or not plan.content_fingerprint else
                            "; a corpus moved elsewhere restores only from checkpoints saved "
                            "with its content fingerprint (this version on)"))
     if moved:
