@@ -212,8 +212,8 @@ def _merge_process_states(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if state.get(k) != merged.get(k):
                 raise FeedCheckpointError(
                     f"the process files of one step disagree on {k!r}: {first_path} has "
-                    f"{_short(merged[k])}, {path} has {_short(state[k])}; every host must save "
-                    f"the same step of the same run. Restore another step", path=path)
+                    f"{_short(merged.get(k))}, {path} has {_short(state.get(k))}; every host "
+                    f"must save the same step of the same run. Restore another step", path=path)
         for sid, entry in state["streams"].items():
             if sid in merged["streams"] and merged["streams"][sid] != entry:
                 raise FeedCheckpointError(

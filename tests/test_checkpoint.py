@@ -423,6 +423,7 @@ def test_files_of_two_hosts_merge_into_one_state(concat_run, tmp_path):
 @pytest.mark.parametrize("defect, message", [
     ("missing_process", r"incomplete: expected 2 files .* missing \['process_1-of-2.json'\]"),
     ("other_step", r"disagree on 'step'"),
+    ("one_without_content", r"disagree on 'corpus_content': .* has None"),
     ("stream_twice", r"stream 1 is saved differently"),
     ("mixed_counts", r"mixes files of different process counts \[2, 3\]"),
 ])
@@ -437,6 +438,10 @@ def test_inconsistent_process_files_are_reported(concat_run, tmp_path, defect, m
         one.unlink()
     elif defect == "other_step":
         one.write_text(json.dumps(dict(json.loads(one.read_text()), step=step + 1)))
+    elif defect == "one_without_content":
+        saved = json.loads(one.read_text())
+        del saved["corpus_content"]
+        one.write_text(json.dumps(saved))
     elif defect == "stream_twice":
         other = dict(state["streams"]["1"], taken=state["streams"]["1"]["taken"] + 1)
         one.write_text(json.dumps(dict(json.loads(one.read_text()),
