@@ -49,8 +49,9 @@ _SEG = FIELDS.index("inputs_segmentation")
 # Rows a component produces past the mixture's need, so a chunk of the mixture costs about
 # one call per component rather than one per row.
 _READ_AHEAD_ROWS = 4
-# Counters summed over components into the mixture's state, for the feed's stats.
-_SUMMED = ("documents", "truncated_documents", "truncated_tokens")
+# Counters summed over components into the mixture's state, for the feed's stats (documents
+# are counted by row instead: MixtureState.component_documents).
+_SUMMED = ("truncated_documents", "truncated_tokens")
 
 
 @dataclasses.dataclass
@@ -122,8 +123,7 @@ class MixedStream:
         d["version"] = MIXTURE_STATE_VERSION
         d["kind"] = "mixture"
         # Component counters as of the start of their current chunk, summed for the feed's
-        # stats (up to a chunk behind the rows taken; exact once the data ends). Documents are
-        # counted by row.
+        # stats (up to a chunk behind the rows taken; exact once the data ends).
         subs = [c["state"] or {} for c in st.components]
         for name in _SUMMED:
             d[name] = sum(s.get(name, 0) for s in subs)
