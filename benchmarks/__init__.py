@@ -3,7 +3,7 @@
 Every measurement runs in its own subprocess, so that startup is honest and one pipeline's
 threads, caches and Ray cluster never slow another. ``bench`` orchestrates; ``limit``,
 ``peers`` and ``assembly`` are the measured programs; ``measure`` samples process trees.
-Nothing here is imported by the product; `ingest bench` imports ``benchmarks.bench`` lazily.
+Nothing here is imported by the product; `ingest bench` runs ``python -m benchmarks.bench``.
 """
 
 __all__: list[str] = []

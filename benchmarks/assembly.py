@@ -80,7 +80,8 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from ingest.plan import build_plan
     from ingest.shift import FIELDS
     from ingest.stream import Stream
-    from jax_side.feed import HostFeed, _aligned_empty
+    from jax_side.feed import HostFeed
+    from jax_side.host_buffers import aligned_empty
     from jax_side.sharding import batch_sharding, host_rows
 
     cfg = Config.from_dict(spec.config)
@@ -122,7 +123,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     pos = {s: (0, 0) for s in rows.streams}  # (chunk index, rows taken)
     for _ in range(steps):
         t0 = time.perf_counter()
-        local = _aligned_empty(local_shape)
+        local = aligned_empty(local_shape)
         for j, s in enumerate(rows.streams):
             ci, taken = pos[s]
             filled = 0
@@ -163,7 +164,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     import jax
 
     from ingest.shift import FIELDS
-    from jax_side.feed import _aligned_empty
+    from jax_side.host_buffers import aligned_empty
     from jax_side.sharding import batch_sharding
 
     mesh = jax.make_mesh((jax.local_device_count(),), ("data",))
@@ -178,7 +179,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
         asm_t, copy_t = [], []
         for step in range(steps):
             t0 = time.perf_counter()
-            local = _aligned_empty(shape)
+            local = aligned_empty(shape)
             r0 = (step * k) % (SWEEP_CHUNK_ROWS - k + 1)
             for j, c in enumerate(chunks):
                 local[:, j * k:(j + 1) * k] = c[:, r0:r0 + k]

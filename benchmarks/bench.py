@@ -63,7 +63,7 @@ def _log(msg: str) -> None:
     print(f"ingest bench: {msg}", file=sys.stderr, flush=True)
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     # benchmarks/ is not an installed package: the measured programs import it from here.
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -197,7 +197,7 @@ class _Runner:
     def __init__(self, spec: BenchSpec, tmp: str):
         self.spec = spec
         self.timeout = TIMEOUT_S["quick" if spec.quick else "full"]
-        self.env = _child_env()  # taken once: the sampler may add RAY_AUTH_MODE to this process
+        self.env = child_env()  # taken once: the sampler may add RAY_AUTH_MODE to this process
         self.spec_path = os.path.join(tmp, "spec.json")
         spec.save(self.spec_path)
         steps = ["--steps", str(spec.steps)] if spec.steps else []
@@ -520,3 +520,23 @@ def bench_command(args) -> int:
     if args.json:
         print(json.dumps(results, sort_keys=True))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.bench [CONFIG] [--quick] ...``, which ``ingest bench`` runs."""
+    from ingest.cli import parse_args  # noqa: PLC0415
+    from ingest.config import ConfigError  # noqa: PLC0415
+    from ingest.errors import BadInputError  # noqa: PLC0415
+    from jax_side.run import prepare_environment  # noqa: PLC0415
+
+    args = parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    prepare_environment(args)
+    try:
+        return bench_command(args)
+    except (ConfigError, BadInputError, FileNotFoundError, ValueError) as e:
+        print(f"ingest: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

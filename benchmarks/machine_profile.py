@@ -43,9 +43,9 @@ from typing import Any
 
 import psutil
 
-from benchmarks.bench import ROOT, _child_env
+from benchmarks.bench import ROOT, child_env
 from benchmarks.corpus import make_spec
-from benchmarks.measure import _group
+from benchmarks.measure import process_group
 
 __all__ = ["classify", "main", "split_samples", "top_symbols"]
 
@@ -108,7 +108,7 @@ def _roles(run_pid: int, roles: dict[int, str]) -> None:
         return
     for k in kids:
         try:
-            group = _group(k.cmdline(), is_root=False)  # the memory sampler's groups
+            group = process_group(k.cmdline(), is_root=False)  # the memory sampler's groups
         except psutil.Error:
             continue
         if roles.get(k.pid) != "worker":  # a worker that exits shows another command line
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         run = subprocess.Popen(
             [sys.executable, "-m", "jax_side.run", "run",
              spec.write_run_config(os.path.join(tmp, "run.yaml")), "--json", "--no-progress"],
-            cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         deadline = time.monotonic() + 120
         while run.poll() is None and time.monotonic() < deadline:

@@ -64,7 +64,7 @@ def _machine_steal_s() -> float:
     return getattr(psutil.cpu_times(), "steal", 0.0)
 
 
-def _group(cmdline: list[str], is_root: bool) -> str:
+def process_group(cmdline: list[str], is_root: bool) -> str:
     if is_root:
         return "host"
     first = cmdline[0] if cmdline else ""
@@ -89,7 +89,7 @@ class _Peak:
     max_processes: int = 0
 
 
-def _own_bytes(pid: int) -> int | None:
+def own_bytes(pid: int) -> int | None:
     """A process's RSS less its resident shared-memory pages (``RssShmem``), both from one read
     of its status (None if unreadable: it is exiting). For Ray's processes the shared pages are
     mostly the object store, which every process that writes or reads objects maps: they count
@@ -204,7 +204,7 @@ class TreeSampler:
         for proc, is_root in self._tree():
             try:
                 rss = proc.memory_info().rss
-                group = _group(proc.cmdline(), is_root)
+                group = process_group(proc.cmdline(), is_root)
                 t = proc.cpu_times()
             except psutil.Error:
                 continue  # it ended between listing and reading
@@ -213,7 +213,7 @@ class TreeSampler:
             sums[group] += rss
             counts[group] += 1
             biggest[group] = max(biggest[group], rss)
-            mine = _own_bytes(proc.pid)
+            mine = own_bytes(proc.pid)
             if mine is not None:
                 own[group] = max(own[group], mine)
         self._samples += 1
@@ -359,7 +359,7 @@ def run_measured(command: list[str], *, timeout_s: float, env: dict[str, str] | 
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
     finally:
         memory = sampler.stop() if sampler is not None else None
@@ -381,7 +381,7 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """Kills a process, its group, and every descendant by pid: Ray starts its daemons in
     sessions of their own, and they would otherwise outlive a killed driver by seconds."""
     try:

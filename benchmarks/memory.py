@@ -25,7 +25,7 @@ import time
 import psutil
 import yaml
 
-from benchmarks.measure import TreeSampler, _group, _kill_tree, _own_bytes
+from benchmarks.measure import TreeSampler, kill_tree, own_bytes, process_group
 
 # Peak bytes per epoch: RSS, and RSS less shared-memory pages (Ray's object store, mapped in).
 _FIGURES = ("host", "host_own", "workers_max", "workers_sum", "workers_max_own")
@@ -52,17 +52,17 @@ def _sample(root: psutil.Process) -> dict[str, int]:
     for proc, is_root in tree:
         try:
             rss = proc.memory_info().rss
-            group = _group(proc.cmdline(), is_root)
+            group = process_group(proc.cmdline(), is_root)
         except psutil.Error:
             continue
         if group == "host":
             out["host"] = rss
-            mine = _own_bytes(proc.pid)
+            mine = own_bytes(proc.pid)
             if mine is not None:
                 out["host_own"] = mine
         elif group == "workers":
             out["workers_max"] = max(out["workers_max"], rss)
-            mine = _own_bytes(proc.pid)
+            mine = own_bytes(proc.pid)
             if mine is not None:
                 out["workers_max_own"] = max(out["workers_max_own"], mine)
             out["workers_sum"] += rss
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out, err = proc.communicate(timeout=1800)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             raise
         finally:
             stop.set()

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.bench import ROOT, _child_env
+from benchmarks.bench import ROOT, child_env
 from benchmarks.corpus import make_spec
 
 __all__ = ["main", "split_worker_trace"]
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         run = subprocess.Popen(
             [sys.executable, "-m", "jax_side.run", "run",
              spec.write_run_config(os.path.join(tmp, "run.yaml")), "--json", "--no-progress"],
-            cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         spies: dict[int, subprocess.Popen] = {}
         deadline = time.monotonic() + 120

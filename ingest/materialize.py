@@ -42,10 +42,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ingest.chunk import Chunk
 from ingest.config import Config
-from ingest.plan import UnitPlan
 from ingest.shift import FIELDS
-from ingest.stream import Chunk
+from ingest.units import UnitPlan
 
 __all__ = ["FORMAT", "ChunkSource", "MaterializeSummary", "Progress", "materialize",
            "read_manifest", "read_segment"]

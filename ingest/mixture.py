@@ -36,11 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from ingest.chunk import Chunk
 from ingest.config import Config
-from ingest.plan import UnitPlan
 from ingest.shift import FIELDS
-from ingest.stream import Chunk, Stream, StreamState
+from ingest.text_stream import Stream, StreamState
 from ingest.tokenize import Tokenizer, load_tokenizer
+from ingest.units import UnitPlan
 
 __all__ = ["MixedStream", "MixtureState"]
 

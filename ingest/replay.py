@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from ingest.chunk import Chunk
 from ingest.config import Config
 from ingest.materialize import MANIFEST, read_manifest
-from ingest.plan import Unit, UnitPlan, Units
 from ingest.shift import FIELDS
 from ingest.sources import FileInfo, numpy_view
-from ingest.stream import Chunk
+from ingest.units import Unit, UnitPlan, Units
 
 __all__ = ["MaterializedPlan", "ReplayState", "ReplayStream", "build_replay_plan"]
 

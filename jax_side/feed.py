@@ -36,12 +36,12 @@ from ingest.plan import UnitPlan, build_plan, deal_units
 from ingest.shift import FIELDS
 from ingest.stream import Chunk, open_stream
 from ingest.tokenize import load_tokenizer
+from jax_side.host_buffers import aligned_empty as _aligned_empty
+from jax_side.host_state import HOST_STATE_VERSION, check_compatible
 from jax_side.multihost import EndAgreement
 from jax_side.sharding import host_rows, host_rows_per_batch_size
 
 __all__ = ["HostFeed", "IteratorLength", "LocalSource", "steady_window_start", "steps_covering"]
-
-HOST_STATE_VERSION = 1
 
 # A prior for iterator_length before any row is seen: English prose runs about 4 bytes per
 # token with the GPT-2 and cl100k BPEs (measured on the demo corpus: 3.6-4.3).
@@ -57,20 +57,6 @@ def steady_window_start(steps: int) -> int | None:
     if steps < 4:
         return None
     return 1 << ((steps // 2).bit_length() - 1)
-
-
-def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialized int32 array whose data starts on a 64-byte boundary.
-
-    XLA's CPU client then uses the array's memory for the device array instead of copying it
-    (numpy aligns to 16 bytes only): ``device_put`` of the six fields took 0.17 ms aligned
-    against 0.3-0.6 ms unaligned (benchmarks/assembly.py). The feed never writes a batch's
-    buffer after handing it over, so sharing it is safe.
-    """
-    nbytes = math.prod(shape) * 4
-    raw = np.empty(nbytes + 64, dtype=np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + nbytes].view(np.int32).reshape(shape)
 
 
 def _find_shard_args():
@@ -402,8 +388,6 @@ class HostFeed:
         Raises:
           ValueError: incompatible config or corpus (naming what changed), missing streams.
         """
-        from jax_side.checkpoint import check_compatible  # noqa: PLC0415 (cycle-free, lazy)
-
         if self._thread is not None:
             raise RuntimeError("set_state must be called before iterating; make a new HostFeed")
         check_compatible(state, self.config, self.plan)

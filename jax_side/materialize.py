@@ -20,6 +20,7 @@ from ingest.plan import UnitPlan, build_plan, deal_units
 from ingest.shift import FIELDS
 from ingest.stream import Chunk
 from ingest.tokenize import load_tokenizer
+from jax_side.ray_start import start_ray
 
 __all__ = ["materialize_command", "materialize_corpus"]
 
@@ -167,8 +168,6 @@ def summary_lines(s: MaterializeSummary) -> list[str]:
 
 def materialize_command(args) -> int:
     """``ingest materialize [CONFIG] --out DIR ...``."""
-    from jax_side.run import start_ray  # noqa: PLC0415 (run imports this module lazily)
-
     overrides = {"workers": args.workers}
     cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
     plan = build_plan(cfg)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
+from jax_side.ray_start import start_ray
 
 __all__ = ["main", "run_command", "start_ray"]
 
@@ -45,28 +47,6 @@ def _process_start_time() -> float:
 
 
 _IMPORTED_AT = time.time()
-
-
-def start_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Connects to ``address`` (or $RAY_ADDRESS), else starts a local cluster on loopback."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    cpus = os.cpu_count() or 1
-    if num_cpus is not None and num_cpus > cpus:
-        # Each worker takes one CPU: a worker with none would never start.
-        log.warning("%d workers on %d CPUs: the local Ray cluster gets %d CPUs so that every "
-                    "worker starts, and they share the cores (on the demo, 3 workers on 2 CPUs "
-                    "were no faster than 2)", num_cpus, cpus, num_cpus)
-    # Listens on 127.0.0.1 only: main() set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray
-    # was imported (see prepare_environment).
-    ray.init(num_cpus=num_cpus or cpus, include_dashboard=False,
-             logging_level=logging.WARNING, configure_logging=True)
 
 
 class _RayStarter:
@@ -353,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:
         if args.command == "bench":
-            return _bench(args)
+            return _bench(sys.argv[1:] if argv is None else list(argv))
         if args.command == "materialize":
             from jax_side.materialize import materialize_command  # noqa: PLC0415
 
@@ -376,18 +356,17 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _bench(args) -> int:
-    """``ingest bench``: the harness lives in the source checkout's benchmarks/, which is not
-    an installed package, so it is imported from next to this package."""
+def _bench(argv: list[str]) -> int:
+    """``ingest bench``: the harness in the source checkout's benchmarks/ (not an installed
+    package), run as its own program, ``python -m benchmarks.bench``: the product never
+    imports it. Returns its exit status."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isdir(os.path.join(root, "benchmarks")) and root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        from benchmarks.bench import bench_command
-    except ImportError as e:
+    if not os.path.isfile(os.path.join(root, "benchmarks", "bench.py")):
         raise ValueError(f"`ingest bench` needs the source checkout's benchmarks/ folder next to "
-                         f"jax_side/ ({e}); run it from a clone of the repository") from e
-    return bench_command(args)
+                         f"jax_side/ (not found in {root}); run it from a clone of the repository")
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "benchmarks.bench", *argv[argv.index("bench") + 1:]]
+    return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, check=False).returncode
 
 
 def _host() -> str:

@@ -292,7 +292,7 @@ def test_a_corpus_moved_elsewhere_restores_only_if_its_files_are_the_same(tmp_pa
             feed.set_state(state)
         feed.close()
         return
-    with caplog.at_level(logging.WARNING, logger="jax_side.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="jax_side.host_state"):
         feed.set_state(state)
     assert f"the corpus moved (sources[].paths [['{old}']] in the checkpoint" in caplog.text
     with feed:

@@ -78,3 +78,184 @@ def test_import_scan_sees_every_form_of_import(tmp_path, source, dynamic):
     path.write_text(source + "\n")
     names = {name for _, name in imported_modules(path, dynamic=dynamic)}
     assert names & NOT_IN_INGEST
+
+
+# -- the module graph -------------------------------------------------------------------------
+
+LAYERS = ("ingest", "actors", "jax_side")
+# Packages of the checkout that the product never imports (the CLI starts none of them).
+NOT_IN_PRODUCT = {"benchmarks", "tests", "examples", "cluster"}
+# Everything that may use private names of other libraries, one small adapter per layer.
+PRIVATE_API_ADAPTERS = {"actors/private_api.py", "jax_side/private_api.py"}
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules(packages, root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+
+
+def import_statements(path: Path, root: Path = ROOT) -> list[tuple[int, str, list[str]]]:
+    """Every import of a file, anywhere in it: ``(line, absolute module, names)``, where
+    ``names`` are the names a ``from`` import takes (empty for ``import x``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = module_name(path, root)
+    package = package if path.name == "__init__.py" else package.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([module] if module else []))
+            found.append((node.lineno, module, [alias.name for alias in node.names]))
+    return found
+
+
+def _known(name: str, modules) -> str | None:
+    """The longest prefix of ``name`` that is one of ``modules``."""
+    parts = name.split(".")
+    while parts and ".".join(parts) not in modules:
+        parts.pop()
+    return ".".join(parts) or None
+
+
+def module_graph(packages, root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """``{module: {imported project module: line}}`` over ``packages`` (submodules taken by
+    ``from package import module`` count as imports of that submodule)."""
+    modules = project_modules(packages, root)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
+        for line, module, names in import_statements(path, root):
+            for target in ({_known(f"{module}.{n}", modules) or _known(module, modules)
+                            for n in names} or {_known(module, modules)}):
+                if target and target != name:
+                    edges.setdefault(target, line)
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One import cycle of ``graph`` (``[a, b, ..., a]``), or ``[]``."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        cycle = visit(node)
+        if cycle:
+            return cycle
+    return []
+
+
+def describe_cycle(graph, cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:],
+                                                                  strict=False)) + f" -> {cycle[-1]}"
+
+
+def test_the_layers_have_no_import_cycle():
+    graph = module_graph(LAYERS)
+    assert len(graph) > 20, sorted(graph)
+    cycle = find_cycle(graph)
+    assert not cycle, "import cycle: " + describe_cycle(graph, cycle)
+
+
+def test_the_product_imports_no_benchmark_test_or_example_module():
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in project_modules(LAYERS).values()
+             for line, module, _ in import_statements(path)
+             if module.split(".")[0] in NOT_IN_PRODUCT]
+    found += forbidden_imports("ingest", NOT_IN_PRODUCT, dynamic=True)
+    found += forbidden_imports("actors", NOT_IN_PRODUCT, dynamic=True)
+    found += forbidden_imports("jax_side", NOT_IN_PRODUCT, dynamic=True)
+    assert found == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+# Underscore names that their library documents as public.
+PUBLIC_UNDERSCORE = {"os._exit"}
+PROJECT = {*LAYERS, *NOT_IN_PRODUCT}
+
+
+def private_uses(path: Path, root: Path = ROOT) -> list[tuple[str, str]]:
+    """``from x import _y``, ``import x._y`` and ``x._y`` where ``x`` is a name an import
+    bound (a module or anything taken from one): ``(top-level package of x, "line: use")``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    bound: dict[str, str] = {}  # a name an import binds -> the top-level package it names
+    found = []
+    for line, module, names in import_statements(path, root):
+        top = module.split(".")[0]
+        found += [(top, f"{line}: {module}") for part in module.split(".") if _private(part)]
+        found += [(top, f"{line}: from {module} import {n}") for n in names if _private(n)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name).split(".")[0]: a.name.split(".")[0]
+                      for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            bound |= {a.asname or a.name: (node.module or ".").split(".")[0] for a in node.names}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _private(node.attr)
+                and isinstance(node.value, ast.Name) and node.value.id in bound
+                and f"{node.value.id}.{node.attr}" not in PUBLIC_UNDERSCORE):
+            found.append((bound[node.value.id], f"{node.lineno}: {node.value.id}.{node.attr}"))
+    return sorted(set(found))
+
+
+def private_uses_outside_tests(*, project: bool) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{use}"
+            for pkg in (*LAYERS, "benchmarks", "examples", "cluster")
+            for path in sorted((ROOT / pkg).rglob("*.py"))
+            for top, use in private_uses(path)
+            if (top in PROJECT or top == "") is project]
+
+
+def test_no_module_imports_another_modules_underscore_names_outside_tests():
+    # Tests may reach into internals; the product, the benchmarks and the examples may not.
+    assert private_uses_outside_tests(project=True) == []
+
+
+@pytest.mark.parametrize(("files", "cycle"), [
+    ({"a.py": "import pkg.b\n", "b.py": "def f():\n    from pkg.a import x\n"}, True),
+    ({"a.py": "from . import b\n", "b.py": "from .a import x\n"}, True),
+    ({"a.py": "from . import b\n", "b.py": "x = 1\n"}, False),
+    ({"a.py": "import pkg.b\n", "b.py": "import pkg.c\n", "c.py": "import pkg.a.x\n"}, True),
+    ({"a.py": "import pkg.b\n", "b.py": "import pkg.c\n", "c.py": "import os\n"}, False),
+])
+def test_the_cycle_scan_sees_function_level_relative_and_longer_cycles(tmp_path, files, cycle):
+    (tmp_path / "pkg").mkdir()
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).write_text(text)
+    assert bool(find_cycle(module_graph(["pkg"], tmp_path))) is cycle
+
+
+@pytest.mark.parametrize(("source", "private"), [
+    ("from x import _y", True), ("import x._y", True), ("import x\nx._y()", True),
+    ("from a import b\nb._c", True), ("import x\nx.__name__", False),
+    ("from x import y\ny.z", False), ("class A:\n    def f(self):\n        self._y", False),
+    ("import os\nos._exit(1)", False),
+])
+def test_the_private_scan_sees_every_form(tmp_path, source, private):
+    path = tmp_path / "m.py"
+    path.write_text(source + "\n")
+    assert bool(private_uses(path, tmp_path)) is private

@@ -229,7 +229,7 @@ def test_deal_gives_every_stream_units_and_similar_bytes(tmp_path):
 def test_streams_of_one_plan_share_each_epochs_deal(tmp_path):
     """A process's streams over one plan deal each epoch once, and read what deal_units says;
     another plan object (equal, or of another corpus) gets a deal of its own."""
-    from ingest.stream import _dealt
+    from ingest.text_stream import _dealt
 
     write_parquet(tmp_path / "a.parquet", make_texts(40, 0), row_group_size=10)
     config = make_config([tmp_path], num_streams=4, global_batch_size=4, unit_rows=3)
