@@ -17,13 +17,13 @@ import collections
 import json
 import logging
 import os
-import signal
 import time
 from typing import Any
 
 import ray
 
 from actors.autoscale import AutoscalePolicy
+from actors.faults import WorkerFaults
 from actors.metrics import HostMetrics
 from actors.worker import HOST_ENV, StreamWorker, WorkerError
 from ingest.config import Config
@@ -80,7 +80,7 @@ class WorkerPool:
             n = min(n, len(self._stream_ids))
         self._where: dict[int, ray.ObjectRef] = {}
         self._next_name = 0
-        self._poison_marker: str | None = None
+        self.worker_faults = WorkerFaults()  # given to every worker started (actors.faults)
         self.poisoned = 0  # documents located as killing workers and skipped
         # Workers take one CPU each. Those beyond the cluster's CPUs start as pending, like a
         # resize's (a node may join; they take streams once they run): the streams open on
@@ -328,33 +328,31 @@ class WorkerPool:
         w = StreamWorker.remote(self._config, self._plan_ref, name,
                                 prefault_bytes=self._prefault_bytes,
                                 host_env={k: os.environ[k] for k in HOST_ENV if k in os.environ})
-        if self._poison_marker is not None:
-            w.inject_poison.remote(self._poison_marker)
+        if self.worker_faults:
+            w.set_faults.remote(self.worker_faults)
         self._names[id(w)] = name
         self._next_name += 1
         # Asked first, so it is answered before any chunk request queues behind it.
         self._where[id(w)] = w.where.remote()
         return w
 
-    def kill_random_worker(self, rng) -> str | None:
-        """Fault injection: SIGKILLs a random worker's process (``ray.kill`` when it runs on
-        another node). Safe from any thread; the pool notices the death like any other."""
-        workers = list(self._workers)
-        if not workers:
-            return None
-        w = workers[int(rng.integers(len(workers)))]
-        try:
-            pid, node = ray.get(self._where[id(w)], timeout=30)
-        except (KeyError, ray.exceptions.RayError, TimeoutError):
-            return None
-        if node == ray.get_runtime_context().get_node_id():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return None
-        else:
-            ray.kill(w, no_restart=True)
-        return f"pid {pid}"
+    @property
+    def workers(self) -> list:
+        """The worker actors running now (not those still waiting for a CPU)."""
+        return list(self._workers)
+
+    @property
+    def pending_workers(self) -> list:
+        """The worker actors started but still waiting for a CPU."""
+        return list(self._pending)
+
+    def worker_of(self, s: int):
+        """The worker actor stream ``s`` is placed on."""
+        return self._placement[s]
+
+    def location(self, w) -> ray.ObjectRef:
+        """``(process id, Ray node id)`` of worker ``w`` (a ref, asked when it started)."""
+        return self._where[id(w)]
 
     def next_chunk(self, s: int) -> Chunk:
         """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
@@ -504,13 +502,6 @@ class WorkerPool:
         self._failures.pop(s, None)
         return True
 
-    def inject_poison(self, marker: str) -> None:
-        """Fault injection for tests and demos: every worker, present and future, dies when it
-        tokenizes a document containing ``marker``."""
-        self._poison_marker = marker
-        for w in self._workers + self._pending:
-            w.inject_poison.remote(marker)
-
     def _where_is(self, s: int) -> str:
         """The file and row at stream ``s``'s resume position, for error messages."""
         state, skip = self._resume[s]
@@ -519,11 +510,6 @@ class WorkerPool:
             stream.set_state(state)
         where = stream.describe_head()
         return where + (f", {skip} rows further" if skip else "")
-
-    def inject_error(self, s: int, at_row: int) -> None:
-        """Fault injection for tests: stream ``s``'s worker fails partway through the chunk that
-        would emit row ``at_row`` (once). Pick a row past the requests already in flight."""
-        self._placement[s].inject_error.remote(s, at_row)
 
     def close(self) -> None:
         for w in self._workers + self._pending:

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from actors.faults import WorkerFaults
 from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
@@ -86,8 +87,7 @@ class StreamWorker:
         self._plan = plan
         self._name = name
         self._streams: dict[int, Stream] = {}
-        self._fault: tuple[int, int] | None = None
-        self._poison_marker: str | None = None
+        self._faults = WorkerFaults()  # injected by actors.faults
         self._metrics: WorkerMetrics | None = None
 
     def pid(self) -> int:
@@ -134,16 +134,7 @@ class StreamWorker:
             return WorkerError(f"stream {stream_id} is not open on worker {self._name}; this is "
                                f"a bug in actors.pool", stream_id=stream_id, worker=self._name,
                                cause=KeyError(stream_id))
-        if self._fault is not None and self._fault[0] == stream_id:
-            done = s.get_state()["rows_emitted"]
-            at = self._fault[1]
-            if done < at <= done + n_rows:
-                # Fault injection: advance the stream part of the way, then fail mid-chunk.
-                self._fault = None
-                if at - done > 1:
-                    s.produce(at - done - 1)
-                raise RuntimeError(f"injected error in worker {self._name}, stream {stream_id}, "
-                                   f"at row {at}")
+        self._faults.before_produce(s, stream_id, n_rows, self._name)
         t0 = time.perf_counter()
         out = self._call(stream_id, s.produce, n_rows)
         if isinstance(out, Chunk):
@@ -170,19 +161,12 @@ class StreamWorker:
         finally:
             s.set_trace(None)
 
-    def inject_poison(self, marker: str) -> None:
-        """Fault injection for tests and demos: this process dies (like a segfault in a
-        tokenizer) when it tokenizes a document containing ``marker``."""
-        self._poison_marker = marker
-
     def _tokenizer(self):
-        tok = load_tokenizer(self._config.tokenizer)
-        return tok if self._poison_marker is None else _Poisoned(tok, self._poison_marker)
+        return self._faults.tokenizer(load_tokenizer(self._config.tokenizer))
 
-    def inject_error(self, stream_id: int, at_row: int) -> None:
-        """Fault injection for tests: the produce call of ``stream_id`` that would emit row
-        ``at_row`` raises partway through its chunk, once (this worker only)."""
-        self._fault = (stream_id, at_row)
+    def set_faults(self, faults: WorkerFaults) -> None:
+        """Takes the faults ``actors.faults`` injects (tests, demos); keeps earlier ones."""
+        self._faults.update(faults)
 
     def _call(self, stream_id: int, fn, *args):
         try:
@@ -198,25 +182,3 @@ class StreamWorker:
         except ValueError as e:
             return WorkerError(f"worker {self._name}, stream {stream_id}: {e}",
                                stream_id=stream_id, worker=self._name, cause=e)
-
-
-class _Poisoned:
-    """A tokenizer that kills its process on a marked document (``inject_poison``)."""
-
-    def __init__(self, tokenizer, marker: str):
-        self._tok = tokenizer
-        self._marker = marker
-        self.name, self.eos_id, self.vocab_size = (tokenizer.name, tokenizer.eos_id,
-                                                   tokenizer.vocab_size)
-
-    def encode_batch(self, texts: list[str]):
-        self._check(texts)
-        return self._tok.encode_batch(texts)
-
-    def encode_docs(self, texts: list[str]):
-        self._check(texts)
-        return self._tok.encode_docs(texts)
-
-    def _check(self, texts: list[str]) -> None:
-        if any(self._marker in t for t in texts):
-            os._exit(70)  # no cleanup, no exception: what a crashing native library does

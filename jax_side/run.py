@@ -18,8 +18,6 @@ import time
 import warnings
 from typing import Any
 
-import numpy as np
-
 from ingest.cli import parse_args
 from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
@@ -152,33 +150,6 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
-class _WorkerKiller:
-    """Fault injection for ``--kill-worker-every``: SIGKILLs a random worker on a timer."""
-
-    def __init__(self, feed, every_s: float, seed: int = 0):
-        self.killed = 0
-        self._feed = feed
-        self._every = every_s
-        self._rng = np.random.default_rng(seed)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="WorkerKiller", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._every):
-            pool = self._feed._source
-            if pool is None or not hasattr(pool, "kill_random_worker"):
-                continue
-            what = pool.kill_random_worker(self._rng)
-            if what:
-                self.killed += 1
-                log.warning("fault injection: killed worker %s", what)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
 def run_command(args) -> int:
     t_start = _process_start_time()
     import jax  # before Ray starts: importing it beside ray.init slowed both (GIL and CPUs)
@@ -245,7 +216,11 @@ def run_command(args) -> int:
                    desc="ingest run", disable=None)
     step = saved = start_step
     first_batch_at = None
-    killer = _WorkerKiller(feed, args.kill_worker_every) if args.kill_worker_every else None
+    killer = None
+    if args.kill_worker_every:
+        from actors.faults import WorkerKiller  # noqa: PLC0415 (imports Ray)
+
+        killer = WorkerKiller(feed, args.kill_worker_every)
     try:
         if args.steps is not None and step >= args.steps:
             batches = iter(())

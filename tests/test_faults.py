@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 
 import jax
@@ -11,6 +9,7 @@ import numpy as np
 import pytest
 import ray
 
+from actors import faults
 from ingest import BatchDigest, Config, SourceConfig
 from jax_side import HostFeed, batch_sharding
 from tests.helpers import write_parquet_corpus
@@ -57,14 +56,13 @@ def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, c
     assert len(expected) > 20
 
     killed = []
+    rng = np.random.default_rng(0)
 
     def kill_some(step, feed):
         if step % 7 == 3:
-            pool = feed._source
-            worker = pool._workers[step % pool.num_workers]
-            pid = ray.get(worker.pid.remote(), timeout=30)
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+            what = faults.kill_random_worker(feed._source, rng)  # SIGKILL, as the OOM killer
+            assert what is not None, "no worker to kill"
+            killed.append(what)
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, kill_some)
@@ -91,7 +89,7 @@ def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus,
         started.append((pool.num_workers, pool.num_pending))
         if pool.num_pending:
             # Let pending workers start (bounded), so the next steps see them take streams.
-            refs = [pool._where[id(w)] for w in pool._pending]
+            refs = [pool.location(w) for w in pool.pending_workers]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=60)
             assert len(ready) == len(refs), "a new worker did not start within 60 s"
         if step in sizes:
@@ -127,7 +125,7 @@ def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(
             # Far enough ahead that no request for that row is in flight yet; odd, so the
             # failure lands mid-chunk (chunk_rows=2).
             at = (step + 1) * k + (cfg.prefetch + 3) * cfg.chunk_rows + 1
-            feed._source.inject_error(5, at)
+            faults.inject_error(feed._source, 5, at)
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, inject)
@@ -154,7 +152,7 @@ def test_a_stream_that_keeps_failing_stops_with_an_error_naming_file_and_row(ray
         # A fault at every attempt at the same position: what a poison document looks like.
         with pytest.raises(StreamError) as e:
             for _ in range(pool.max_failures):
-                pool.inject_error(3, first.state_after["rows_emitted"] + 1)
+                faults.inject_error(pool, 3, first.state_after["rows_emitted"] + 1)
                 pool._replace(pool._placement[3], 3, RuntimeError("injected"))
         assert f"stream 3 failed {pool.max_failures} times" in str(e.value)
         assert where in str(e.value)
@@ -200,7 +198,7 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
 
     pool = WorkerPool(cfg, plan, list(range(4)), num_workers=2, get_timeout_s=60)
     try:
-        pool.inject_poison(marker)
+        faults.inject_poison(pool, marker)
         pool.open({s: (None, 0) for s in range(4)})
         for s in range(4):
             rows, last = [], None
@@ -263,7 +261,7 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
     pool = WorkerPool(cfg, plan, [0, 1], num_workers=1, get_timeout_s=60)
     crashed = 0
     try:
-        pool.inject_poison(marker)
+        faults.inject_poison(pool, marker)
         pool.open({0: (None, 0), 1: (None, 0)})
         for s in (0, 1):
             rows, last = [], None
