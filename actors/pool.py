@@ -24,6 +24,7 @@ import ray
 
 from actors.autoscale import AutoscalePolicy
 from actors.faults import WorkerFaults
+from actors.mailbox import Mailbox
 from actors.metrics import HostMetrics
 from actors.worker import HOST_ENV, StreamWorker, WorkerError
 from ingest.config import Config
@@ -467,9 +468,7 @@ class WorkerPool:
         added to the stream's resume state (skipped and counted as ``worker_crash``). Returns
         False when the worker died without naming a document (the failures cannot be
         located); True otherwise, and the failure count starts over."""
-        from ray.experimental import internal_kv  # noqa: PLC0415
-
-        key = f"ingest/poison/{os.getpid()}/{id(self)}/{s}/{self.restarts}"
+        mailbox = Mailbox.remote()
         probe = self._spawn()
         state, skip = self._resume[s]
         log.warning("stream %d failed %d times at %s: locating the document that kills its "
@@ -477,10 +476,10 @@ class WorkerPool:
         try:
             _raise_worker_error(_get(probe.open.remote(s, state, skip), self._timeout,
                                      f"opening stream {s} to locate a poison document"))
-            _get(probe.produce_traced.remote(s, self._config.chunk_rows, key),
+            _get(probe.produce_traced.remote(s, self._config.chunk_rows, mailbox),
                  self._timeout, f"a traced chunk of stream {s}")
         except _WORKER_LOST:
-            raw = internal_kv._internal_kv_get(key)
+            raw = _get(mailbox.get.remote(), self._timeout, "the place a worker died at")
             if raw is None:
                 return False
             where = json.loads(raw)
@@ -495,7 +494,7 @@ class WorkerPool:
                         "(counted as worker_crash)", s, where, self.max_failures + 1)
             return True
         finally:
-            internal_kv._internal_kv_del(key)
+            ray.kill(mailbox, no_restart=True)
             self._names.pop(id(probe), None)
             ray.kill(probe, no_restart=True)
         # The chunk came back: the failures were not this stream's data. Go on retrying.

@@ -41,6 +41,9 @@ WORKER_ENV = {
 # the host's environment (a worker on another node does not inherit it).
 HOST_ENV = ("INGEST_CACHE_DIR", "INGEST_ROW_GROUP_CACHE_GB")
 
+# How long a traced worker waits for its mailbox to take a document's place.
+TRACE_TIMEOUT_S = 60
+
 
 class WorkerError(RuntimeError):
     """An error raised inside a worker, travelling as a value with its worker and stream.
@@ -147,15 +150,13 @@ class StreamWorker:
         """``produce`` for each stream, returned as one object (``streams_per_call``)."""
         return [self.produce(s, n_rows) for s in stream_ids]
 
-    def produce_traced(self, stream_id: int, n_rows: int, key: str) -> Chunk | WorkerError:
-        """``produce``, tokenizing one document at a time and writing each one's place to
-        Ray's internal key-value store under ``key`` first: if a document kills this process,
+    def produce_traced(self, stream_id: int, n_rows: int, mailbox) -> Chunk | WorkerError:
+        """``produce``, tokenizing one document at a time and putting each one's place in
+        ``mailbox`` (an ``actors.mailbox.Mailbox``) first: if a document kills this process,
         the host reads there which one it was (``actors.pool`` locating a poison document)."""
-        from ray.experimental import internal_kv  # noqa: PLC0415
-
         s = self._streams[stream_id]
-        s.set_trace(lambda where: internal_kv._internal_kv_put(
-            key, json.dumps(where), overwrite=True))
+        s.set_trace(lambda where: ray.get(mailbox.put.remote(json.dumps(where)),
+                                          timeout=TRACE_TIMEOUT_S))
         try:
             return self.produce(stream_id, n_rows)
         finally:

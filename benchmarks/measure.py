@@ -251,14 +251,15 @@ class TreeSampler:
         if mode and "RAY_AUTH_MODE" not in os.environ:
             os.environ["RAY_AUTH_MODE"] = mode
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not gRPC's notes on closed channels
-        from ray._private.grpc_utils import init_grpc_channel
         from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+        from benchmarks.private_api import raylet_channel
 
         ports = sorted({c.laddr.port for c in raylet.net_connections("tcp")
                         if c.status == psutil.CONN_LISTEN})
         for port in ports:
             stub = node_manager_pb2_grpc.NodeManagerServiceStub(
-                init_grpc_channel(f"127.0.0.1:{port}"))
+                raylet_channel(f"127.0.0.1:{port}"))
             try:
                 stub.FormatGlobalMemoryInfo(
                     node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False),

@@ -39,6 +39,7 @@ from ingest.tokenize import load_tokenizer
 from jax_side.host_buffers import aligned_empty as _aligned_empty
 from jax_side.host_state import HOST_STATE_VERSION, check_compatible
 from jax_side.multihost import EndAgreement
+from jax_side.private_api import put_arrays
 from jax_side.sharding import host_rows, host_rows_per_batch_size
 
 __all__ = ["HostFeed", "IteratorLength", "LocalSource", "steady_window_start", "steps_covering"]
@@ -59,44 +60,9 @@ def steady_window_start(steps: int) -> int | None:
     return 1 << ((steps // 2).bit_length() - 1)
 
 
-def _find_shard_args():
-    """JAX's batched host-to-device transfer, the call ``jax.device_put`` ends in; None if this
-    JAX has no such function (then ``jax.device_put`` is used).
-
-    For six numpy fields it takes 42 us against 121 us through ``jax.device_put`` (1 CPU
-    device; 148 against 246 on 8), whose pytree, abstraction and primitive-bind layers are
-    Python run on every call. The copy semantics are ``jax.device_put``'s default (may alias
-    the numpy buffer, no donation), and tests/test_feed.py checks that the arrays are the same:
-    type, sharding, committed flag, shards and values.
-    """
-    try:
-        from jax._src.interpreters import pxla  # noqa: PLC0415
-        from jax._src.lib import xla_client  # noqa: PLC0415
-
-        reuse = xla_client.ArrayCopySemantics.REUSE_INPUT  # device_put's default
-        shard_args = pxla.shard_args
-    except (ImportError, AttributeError):
-        return None
-
-    def put(arrays: list[np.ndarray], sharding: NamedSharding) -> list[jax.Array]:
-        n = len(arrays)
-        return shard_args([sharding] * n, [None] * n, [reuse] * n, arrays)
-
-    return put
-
-
-_shard_args = _find_shard_args()
-
-
 def _device_put_fields(local: np.ndarray, sharding: NamedSharding) -> dict[str, jax.Array]:
     """The fields of ``local`` as arrays on ``sharding``, which covers all of them here."""
-    global _shard_args  # noqa: PLW0603 -- dropped once if this JAX's signature differs
-    if _shard_args is not None:
-        try:
-            return dict(zip(FIELDS, _shard_args(list(local), sharding), strict=True))
-        except TypeError:  # another signature in another JAX: the public call from here on
-            _shard_args = None
-    return jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
+    return dict(zip(FIELDS, put_arrays(list(local), sharding), strict=True))
 
 
 def global_arrays(local: np.ndarray, sharding: NamedSharding,

@@ -27,8 +27,9 @@ from helpers import drain as drain_stream
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
-from jax_side import HostFeed, batch_sharding
+from jax_side import HostFeed, batch_sharding, private_api
 from jax_side.feed import steady_window_start
+from jax_side.host_buffers import aligned_empty
 
 DEADLINE_S = 120.0  # generous for 2 CPUs; a healthy drain of this corpus takes a few seconds
 
@@ -375,28 +376,52 @@ def test_consumer_wait_stats_are_present_and_non_negative(reference):
     assert stats["backend"] == "local"
 
 
-@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2), (1, 8)])
-def test_batched_transfer_gives_the_arrays_device_put_gives(devices, mesh_shape):
-    """The feed's fast path to device arrays (JAX's own batched transfer) against the public
-    ``jax.device_put``: same type, sharding, committed flag, shards and values."""
-    import jax_side.feed as feed_module  # noqa: PLC0415
-
-    assert feed_module._shard_args is not None, "the pinned JAX should offer pxla.shard_args"
-    names = ("data", "model")[:len(mesh_shape)]
-    sharding = batch_sharding(jax.make_mesh(mesh_shape, names), "data")
-    local = feed_module._aligned_empty((len(FIELDS), 16, SEQ_LEN))
-    local[:] = np.random.default_rng(0).integers(0, 50_000, local.shape, dtype=np.int32)
-    ours = feed_module._device_put_fields(local, sharding)
-    theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
-    assert list(ours) == list(FIELDS)
-    for name in FIELDS:
+def _assert_same_arrays(ours: dict, theirs: dict) -> None:
+    assert list(ours) == list(theirs)
+    for name in theirs:
         a, b = ours[name], theirs[name]
         assert type(a) is type(b) and a.sharding == b.sharding, name
         assert a._committed and b._committed, name
         assert [(s.device, s.index) for s in a.addressable_shards] == \
             [(s.device, s.index) for s in b.addressable_shards], name
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-    assert feed_module._shard_args is not None, "the fast path fell back to jax.device_put"
+
+
+def _random_fields() -> np.ndarray:
+    local = aligned_empty((len(FIELDS), 16, SEQ_LEN))
+    local[:] = np.random.default_rng(0).integers(0, 50_000, local.shape, dtype=np.int32)
+    return local
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2), (1, 8)])
+def test_batched_transfer_gives_the_arrays_device_put_gives(devices, mesh_shape):
+    """The feed's fast path to device arrays (JAX's own batched transfer) against the public
+    ``jax.device_put``: same type, sharding, committed flag, shards and values."""
+    assert private_api.batched_transfer(), "the pinned JAX should offer pxla.shard_args"
+    names = ("data", "model")[:len(mesh_shape)]
+    sharding = batch_sharding(jax.make_mesh(mesh_shape, names), "data")
+    local = _random_fields()
+    ours = dict(zip(FIELDS, private_api.put_arrays(list(local), sharding), strict=True))
+    theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
+    _assert_same_arrays(ours, theirs)
+    assert private_api.batched_transfer(), "the fast path fell back to jax.device_put"
+
+
+def test_a_failing_batched_transfer_falls_back_to_device_put(devices, monkeypatch, caplog):
+    """Another JAX whose private function takes other arguments: the public call, from then
+    on, with the same arrays and a warning."""
+    def other_signature(arrays, sharding):
+        raise TypeError("shard_args() takes 3 positional arguments but 4 were given")
+
+    monkeypatch.setattr(private_api, "_shard_args", other_signature)
+    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+    local = _random_fields()
+    with caplog.at_level("WARNING", logger="jax_side.private_api"):
+        ours = dict(zip(FIELDS, private_api.put_arrays(list(local), sharding), strict=True))
+    assert not private_api.batched_transfer()
+    assert "using jax.device_put" in caplog.text
+    theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
+    _assert_same_arrays(ours, theirs)
 
 
 @pytest.mark.parametrize(("steps", "start"), [(0, None), (3, None), (4, 2), (7, 2), (8, 4),

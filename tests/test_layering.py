@@ -86,7 +86,7 @@ LAYERS = ("ingest", "actors", "jax_side")
 # Packages of the checkout that the product never imports (the CLI starts none of them).
 NOT_IN_PRODUCT = {"benchmarks", "tests", "examples", "cluster"}
 # Everything that may use private names of other libraries, one small adapter per layer.
-PRIVATE_API_ADAPTERS = {"actors/private_api.py", "jax_side/private_api.py"}
+PRIVATE_API_ADAPTERS = {"jax_side/private_api.py", "benchmarks/private_api.py"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -233,6 +233,14 @@ def private_uses_outside_tests(*, project: bool) -> list[str]:
 def test_no_module_imports_another_modules_underscore_names_outside_tests():
     # Tests may reach into internals; the product, the benchmarks and the examples may not.
     assert private_uses_outside_tests(project=True) == []
+
+
+def test_private_apis_of_other_libraries_are_used_only_through_the_adapters():
+    # jax_side.private_api (JAX's batched transfer) and benchmarks.private_api (a raylet's
+    # gRPC channel) hold every such use, each with a fallback to the public API.
+    found = [use for use in private_uses_outside_tests(project=False)
+             if use.split(":")[0] not in PRIVATE_API_ADAPTERS]
+    assert found == []
 
 
 @pytest.mark.parametrize(("files", "cycle"), [
