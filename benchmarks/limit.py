@@ -167,7 +167,7 @@ _PROFILE_PARTS = (
     ("pack", "ingest/pack.py", "assign_bins"),
     ("pack", "ingest/pack.py", "fill_bins"),
     ("shift", "ingest/shift.py", "shift_rows"),
-    ("state", "ingest/stream.py", "get_state"),
+    ("state", "ingest/text_stream.py", "get_state"),
 )
 
 
@@ -216,7 +216,7 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
     parts: dict[str, float] = {}
     total = 0.0
     for (path, _, func), (_, _, _, cum, _) in stats.items():
-        if func == "produce" and path.endswith("ingest/stream.py"):
+        if func == "produce" and path.endswith("ingest/chunk.py"):  # ChunkStream.produce
             total += cum
         for label, suffix, name in _PROFILE_PARTS:
             if func == name and path.endswith(suffix):

@@ -1,13 +1,26 @@
-"""What every stream produces: ``Chunk``, consecutive rows of one stream with its state."""
+"""What every stream produces, and the interface every stream has.
+
+``Chunk``: consecutive rows of one stream with the stream's state after them. ``ChunkStream``:
+the interface of the text stream (``ingest.text_stream.Stream``), the mixture
+(``ingest.mixture.MixedStream``) and the replay of a materialized corpus
+(``ingest.replay.ReplayStream``), with the checks they share; ``state_from_json`` reads the
+JSON state of any of them back.
+"""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["Chunk"]
+from ingest.config import Config
+from ingest.units import UnitPlan
+
+__all__ = ["Chunk", "ChunkStream", "state_from_json"]
+
+State = TypeVar("State")
 
 
 @dataclasses.dataclass
@@ -32,3 +45,75 @@ class Chunk:
     @property
     def num_rows(self) -> int:
         return self.fields.shape[1]
+
+
+class ChunkStream(abc.ABC):
+    """Stream ``stream_id`` of ``config.num_streams`` over a plan: a deterministic, resumable
+    source of rows.
+
+    ``produce(n)`` gives the next rows as a ``Chunk``; ``get_state`` gives the position as
+    small JSON and ``set_state`` restores it exactly; ``describe_head`` names the position in
+    the corpus's terms, for error messages. Subclasses implement ``_produce`` (``produce``
+    checks its argument first), the state pair and ``describe_head``.
+    """
+
+    def __init__(self, config: Config, plan: UnitPlan, stream_id: int):
+        if not 0 <= stream_id < config.num_streams:
+            raise ValueError(f"stream_id={stream_id} outside [0, num_streams={config.num_streams})")
+        self.config = config
+        self.plan = plan
+        self.stream_id = stream_id
+
+    def produce(self, n_rows: int) -> Chunk:
+        """The next ``n_rows`` rows (fewer only when the data ends), as a chunk.
+
+        Raises:
+          ValueError: ``n_rows`` is not positive.
+        """
+        if n_rows <= 0:
+            raise ValueError(f"n_rows={n_rows} must be positive")
+        return self._produce(n_rows)
+
+    def _produce(self, n_rows: int) -> Chunk:
+        """``produce`` after its checks; ``n_rows`` is positive."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither produce nor "
+                                  f"_produce")
+
+    @abc.abstractmethod
+    def get_state(self) -> dict[str, Any]:
+        """The position after the last row produced, as JSON-ready values."""
+
+    @abc.abstractmethod
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores a position from ``get_state`` (of a stream of the same config)."""
+
+    @abc.abstractmethod
+    def describe_head(self) -> str:
+        """Where the stream is, in the corpus's terms (for error messages)."""
+
+
+def state_from_json(cls: type[State], d: dict[str, Any], *, version: int, kind: str | None,
+                    what: str, hint: str, derived: frozenset[str] = frozenset()) -> State:
+    """The dataclass ``cls`` from a stream state saved as JSON.
+
+    Args:
+      cls: the state's dataclass.
+      d: the saved state: ``cls``'s fields, ``version``, ``kind`` unless None, and the
+        ``derived`` keys (written for readers, ignored here).
+      version, kind: what ``d`` must say it is.
+      what: the state's name in messages (``"stream"``, ``"mixture"``...).
+      hint: why another kind or version may have come, for the message.
+
+    Raises:
+      ValueError: another kind or version, or keys ``cls`` does not know.
+    """
+    d = dict(d)
+    saved_kind, saved_version = d.pop("kind", None), d.pop("version", None)
+    if saved_kind != kind or saved_version != version:
+        raise ValueError(f"not a {what} state of version {version} (kind {saved_kind!r}, "
+                         f"version {saved_version!r}): {hint}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names - derived
+    if unknown:
+        raise ValueError(f"{what} state has unknown keys {sorted(unknown)}")
+    return cls(**{k: v for k, v in d.items() if k in names})

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.chunk import Chunk
+from ingest.chunk import Chunk, ChunkStream, state_from_json
 from ingest.config import Config
 from ingest.shift import FIELDS
 from ingest.text_stream import Stream, StreamState
@@ -53,6 +53,8 @@ _READ_AHEAD_ROWS = 4
 # Counters summed over components into the mixture's state, for the feed's stats (documents
 # are counted by row instead: MixtureState.component_documents).
 _SUMMED = ("truncated_documents", "truncated_tokens")
+# Keys of a saved state derived from the components' states, for readers (see get_state).
+_DERIVED = frozenset((*_SUMMED, "documents", "skipped", "skipped_units"))
 
 
 @dataclasses.dataclass
@@ -97,19 +99,17 @@ class _Component:
     exhausted: bool = False
 
 
-class MixedStream:
+class MixedStream(ChunkStream):
     """Stream ``stream_id`` of a config with several sources (see the module docstring).
 
-    Same interface as ``ingest.stream.Stream``: ``produce(n)``, ``get_state``/``set_state``,
-    ``describe_head``.
+    A ``ChunkStream``: ``produce(n)``, ``get_state``/``set_state``, ``describe_head``; and
+    ``set_trace``/``add_poison`` as ``ingest.text_stream.Stream``.
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_id: int,
                  tokenizer: Tokenizer | None = None):
+        super().__init__(config, plan, stream_id)
         tokenizer = tokenizer or load_tokenizer(config.tokenizer)
-        self.config = config
-        self.plan = plan
-        self.stream_id = stream_id
         self.tokenizer = tokenizer
         self._weights = [float(s.weight) for s in config.sources]
         self._components = [_Component(Stream(config, plan, stream_id, tokenizer, source=i))
@@ -146,14 +146,10 @@ class MixedStream:
         if state is None:
             st = MixtureState.start(self._weights)
         else:
-            d = dict(state)
-            if d.get("kind") != "mixture" or d.get("version") != MIXTURE_STATE_VERSION:
-                raise ValueError(
-                    f"stream {self.stream_id}: the saved state is not a mixture state of version "
-                    f"{MIXTURE_STATE_VERSION} (kind {d.get('kind')!r}, version "
-                    f"{d.get('version')!r}); it was saved with another number of sources")
-            names = {f.name for f in dataclasses.fields(MixtureState)}
-            st = MixtureState(**{k: v for k, v in d.items() if k in names})
+            st = state_from_json(
+                MixtureState, state, version=MIXTURE_STATE_VERSION, kind="mixture",
+                what="mixture", derived=_DERIVED,
+                hint=f"stream {self.stream_id} was saved with another number of sources")
             if len(st.components) != len(self._components):
                 raise ValueError(
                     f"stream {self.stream_id}: the saved mixture has {len(st.components)} "
@@ -219,10 +215,8 @@ class MixedStream:
             c.fields, c.exhausted = None, True
         return c.exhausted
 
-    def produce(self, n_rows: int) -> Chunk:
+    def _produce(self, n_rows: int) -> Chunk:
         """The next ``n_rows`` rows (fewer only when every component has ended)."""
-        if n_rows <= 0:
-            raise ValueError(f"n_rows={n_rows} must be positive")
         st = self._state
         L = self.config.seq_len
         out = np.zeros((len(FIELDS), n_rows, L), dtype=np.int32)

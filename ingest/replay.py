@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from ingest.chunk import Chunk
+from ingest.chunk import Chunk, ChunkStream
 from ingest.config import Config
 from ingest.materialize import MANIFEST, read_manifest
 from ingest.shift import FIELDS
@@ -150,7 +150,7 @@ class ReplayState:
         return cls(**d)
 
 
-class ReplayStream:
+class ReplayStream(ChunkStream):
     """Stream ``stream_id`` of a materialized directory; the interface of ``Stream``."""
 
     def __init__(self, config: Config, plan: UnitPlan, stream_id: int):

@@ -7,7 +7,7 @@ weight) or ``ingest.replay.ReplayStream`` (a materialized corpus).
 
 from __future__ import annotations
 
-from ingest.chunk import Chunk
+from ingest.chunk import Chunk, ChunkStream
 from ingest.config import Config
 from ingest.mixture import MixedStream
 from ingest.replay import ReplayStream
@@ -15,11 +15,11 @@ from ingest.text_stream import Stream, StreamState
 from ingest.tokenize import Tokenizer
 from ingest.units import UnitPlan
 
-__all__ = ["Chunk", "Stream", "StreamState", "open_stream"]
+__all__ = ["Chunk", "ChunkStream", "Stream", "StreamState", "open_stream"]
 
 
 def open_stream(config: Config, plan: UnitPlan, stream_id: int,
-                tokenizer: Tokenizer | None = None) -> Stream:
+                tokenizer: Tokenizer | None = None) -> ChunkStream:
     """The stream ``stream_id`` of the config: the one constructor workers, the local backend
     and tools use, so every kind of stream (text, mixture, replay) is built the same way."""
     if config.sources[0].kind == "materialized":

@@ -229,7 +229,7 @@ def test_deal_gives_every_stream_units_and_similar_bytes(tmp_path):
 def test_streams_of_one_plan_share_each_epochs_deal(tmp_path):
     """A process's streams over one plan deal each epoch once, and read what deal_units says;
     another plan object (equal, or of another corpus) gets a deal of its own."""
-    from ingest.text_stream import _dealt
+    from ingest.unit_reader import _dealt
 
     write_parquet(tmp_path / "a.parquet", make_texts(40, 0), row_group_size=10)
     config = make_config([tmp_path], num_streams=4, global_batch_size=4, unit_rows=3)
@@ -237,11 +237,11 @@ def test_streams_of_one_plan_share_each_epochs_deal(tmp_path):
     streams = [Stream(config, plan, s) for s in range(config.num_streams)]
     for epoch in range(3):
         want = deal_units(plan, num_streams=4, seed=config.seed, epoch=epoch, shuffle=True)
-        assert [s._units(epoch).tolist() for s in streams] == [w.tolist() for w in want]
+        assert [s.reader.units(epoch).tolist() for s in streams] == [w.tolist() for w in want]
         # Every stream's list is the one deal's: made once for the four.
         shared = _dealt(plan, num_streams=4, seed=config.seed, epoch=epoch, shuffle=True,
                         source=None)
-        assert all(s._units(epoch) is shared[s.stream_id] for s in streams)
+        assert all(s.reader.units(epoch) is shared[s.stream_id] for s in streams)
     twin = build_plan(config)  # equal, but another object
     again = _dealt(twin, num_streams=4, seed=config.seed, epoch=0, shuffle=True, source=None)
     assert [a.tolist() for a in again] == [d.tolist() for d in deal_units(

@@ -1,0 +1,170 @@
+"""A text stream's head: its state, and the units loaded from the head on.
+
+The head, (epoch, unit, doc, offset), names the next token not yet emitted. Everything else
+(tokens of the head's unit, later units already read) is a cache the head rebuilds by re-reading
+and re-tokenizing, which is deterministic. So the state stays small:
+
+    state = {epoch, unit, doc, offset, batch_rows_taken, rows_emitted, exhausted, counters}
+
+Counters (documents, skips, truncations) advance with the head, so they survive resume exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from ingest.chunk import state_from_json
+from ingest.sources import BAD_REASONS
+from ingest.unit_reader import UnitReader, UnitTokens
+
+__all__ = ["STATE_VERSION", "Head", "StreamState"]
+
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass
+class StreamState:
+    """Where a stream is, and what it has counted; JSON at the boundary only.
+
+    Attributes:
+      epoch, unit, doc, offset: the head: epoch, index into this stream's units of that epoch,
+        document in the unit's reading order (skipped ones count), token in that document
+        (its tokens followed by EOS).
+      batch_rows_taken: first_fit/best_fit: rows already emitted of the packing batch that
+        starts at the head.
+      rows_emitted: rows produced so far.
+      exhausted: no rows are left (finite num_epochs).
+      documents: documents the head has passed.
+      skipped: bad documents skipped, ``{reason: {path: count}}``.
+      skipped_units: units skipped as unreadable, ``{path: rows}``.
+      truncated_documents, truncated_tokens: cut by ``long_documents: truncate``.
+      poison: ``[epoch, unit, doc]`` of documents located as killing their worker, skipped
+        (``on_bad_document: skip``) and counted as ``worker_crash``.
+    """
+
+    epoch: int = 0
+    unit: int = 0
+    doc: int = 0
+    offset: int = 0
+    batch_rows_taken: int = 0
+    rows_emitted: int = 0
+    exhausted: bool = False
+    documents: int = 0
+    skipped: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    skipped_units: dict[str, int] = dataclasses.field(default_factory=dict)
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+    poison: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["version"] = STATE_VERSION
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StreamState:
+        """Raises ValueError: not a text stream's state, or of another version."""
+        return state_from_json(cls, d, version=STATE_VERSION, kind=None, what="stream",
+                               hint="it was written by another ingest version or by a stream "
+                                    "of another kind")
+
+
+class Head:
+    """The head of a stream reading ``reader``'s units, at ``state``; ``loaded`` holds the
+    head's unit (first) and the units read ahead, tokenized."""
+
+    def __init__(self, reader: UnitReader, state: StreamState):
+        self.reader = reader
+        self.config = reader.config
+        self.state = state
+        self.loaded: list[UnitTokens] = []
+
+    def unit(self) -> UnitTokens | None:
+        s = self.state
+        if s.exhausted:
+            return None
+        if not self.loaded:
+            self.loaded.append(self.reader.read(s.epoch, s.unit, s.doc, s.poison))
+        return self.loaded[0]
+
+    def unit_after(self, i: int) -> UnitTokens | None:
+        """The i-th loaded unit (0 = head), reading ahead as needed; None past the data."""
+        while len(self.loaded) <= i:
+            last = self.loaded[-1]
+            nxt = self.reader.next_pos(last.epoch, last.pos)
+            if nxt is None:
+                return None
+            self.loaded.append(self.reader.read(nxt[0], nxt[1], 0, self.state.poison))
+        return self.loaded[i]
+
+    def count(self, u: UnitTokens, a: int, b: int) -> None:
+        """Counts documents [a, b) of unit ``u`` (indices relative to ``u.first_doc``)."""
+        s = self.state
+        if u.skipped_rows and a == 0:
+            s.skipped_units[u.path] = s.skipped_units.get(u.path, 0) + u.skipped_rows
+        bad = u.bad[a:b]
+        s.documents += int(np.count_nonzero(bad == 0))
+        for code, n in Counter(bad[bad != 0].tolist()).items():
+            per_file = s.skipped.setdefault(BAD_REASONS[code], {})
+            per_file[u.path] = per_file.get(u.path, 0) + n
+        if self.config.packing != "concat" and self.config.long_documents == "truncate":
+            lengths = np.diff(u.doc_offsets[a:b + 1])
+            over = lengths[lengths > self.config.seq_len] - self.config.seq_len
+            s.truncated_documents += len(over)
+            s.truncated_tokens += int(over.sum())
+
+    def advance(self, units_done: int, tok: int | None) -> None:
+        """Moves the head past ``units_done`` loaded units, then to token ``tok`` of the next
+        (relative to that unit's first loaded document); None means the data ended."""
+        s = self.state
+        for k in range(units_done):
+            u = self.loaded[k]
+            self.count(u, s.doc - u.first_doc if k == 0 else 0, len(u.bad))
+        del self.loaded[:units_done]
+        if tok is None:
+            s.exhausted = True
+            self.loaded.clear()
+            return
+        u = self.loaded[0] if self.loaded else None
+        if units_done:
+            s.epoch, s.unit, s.doc, s.offset = u.epoch, u.pos, u.first_doc, 0
+        rel = int(np.searchsorted(u.doc_offsets, tok, side="right")) - 1
+        if tok == len(u.tokens):
+            # The unit is used up: move the head to the next unit's start.
+            self.count(u, s.doc - u.first_doc, len(u.bad))
+            nxt = self.reader.next_pos(u.epoch, u.pos)
+            self.loaded.pop(0)
+            if nxt is None:
+                s.exhausted = True
+                self.loaded.clear()
+                return
+            s.epoch, s.unit, s.doc, s.offset = nxt[0], nxt[1], 0, 0
+            if self.loaded and (self.loaded[0].epoch, self.loaded[0].pos) != nxt:
+                raise AssertionError("read-ahead out of order; this is a bug in ingest.stream_head")
+            return
+        self.count(u, s.doc - u.first_doc, rel)
+        s.doc, s.offset = u.first_doc + rel, tok - int(u.doc_offsets[rel])
+
+    def token(self) -> int:
+        """The head's index into the head unit's tokens."""
+        u = self.loaded[0]
+        s = self.state
+        return int(u.doc_offsets[s.doc - u.first_doc]) + s.offset
+
+    def add_poison(self, where: dict[str, Any]) -> None:
+        """Marks the document ``where`` (from a trace) to be skipped as ``worker_crash``."""
+        entry = [int(where["epoch"]), int(where["unit"]), int(where["doc"])]
+        if entry not in self.state.poison:
+            self.state.poison.append(entry)
+        self.loaded.clear()
+
+    def describe(self) -> str:
+        """Where the head is, in the corpus's terms: ``FILE row N (unit U of epoch E)``."""
+        st = self.state
+        if st.exhausted:
+            return "the end of its data"
+        return self.reader.describe(st.epoch, st.unit, st.doc)
