@@ -1,5 +1,8 @@
-"""The layering rule of DESIGN.md: `ingest` imports neither `actors` nor `jax_side` (nor Ray
-nor JAX); `actors` never imports `jax`."""
+"""The layering rules: `ingest` imports neither `actors` nor `jax_side` (nor Ray nor JAX);
+`actors` never imports `jax`; the modules of the three packages import each other without a
+cycle (every import counts, also inside functions), and none of the benchmarks, tests or
+examples; outside the tests no module uses another module's underscore names, and private APIs
+of other libraries only through the adapter modules."""
 
 from __future__ import annotations
 
