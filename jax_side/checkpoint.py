@@ -22,9 +22,12 @@ JSON only: a checkpoint never holds pickled objects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import re
 from typing import Any
 
@@ -33,11 +36,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ingest.config import Config
+from ingest.dirlock import exclusive
 from ingest.plan import UnitPlan
 
 __all__ = [
     "FEED_ITEM", "FeedCheckpointError", "FeedCheckpointHandler", "FeedRestore", "FeedSave",
-    "check_compatible", "open_manager", "restore_feed", "restore_latest_feed", "save_feed",
+    "check_compatible", "check_step_folders", "lock_directory", "open_manager", "restore_feed", "restore_latest_feed",
+    "save_feed", "validate_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,10 @@ _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 _SHARED_KEYS = ("version", "step", "config_fingerprint", "corpus_fingerprint", "config")
 # Shared by every process file where present (older checkpoints lack them).
 _OPTIONAL_SHARED_KEYS = ("corpus_content",)
+CHECKSUM_KEY = "sha256"
+"""The key of a process file that holds the SHA-256 of the rest of it (``_checksum``)."""
+# Orbax writes one of these into a step directory once every item of the step is saved.
+_FINALIZED_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class FeedCheckpointError(ValueError):
@@ -100,11 +109,15 @@ class FeedCheckpointHandler(ocp.CheckpointHandler):
             raise ValueError(f"FeedSave expects a HostFeed state (a dict with 'step' and "
                              f"'streams', from HostFeed.get_state()), got "
                              f"{_describe(state)}")
+        if CHECKSUM_KEY in state:
+            raise ValueError(f"the feed state has a key {CHECKSUM_KEY!r}, which the process "
+                             f"file keeps for its checksum; pass HostFeed.get_state() unchanged")
         try:
-            text = json.dumps(state, sort_keys=True, allow_nan=False)
+            digest = _checksum(state)
         except (TypeError, ValueError) as e:
             raise TypeError(f"the feed state is not plain JSON data ({e}); pass "
                             f"HostFeed.get_state() unchanged") from e
+        text = json.dumps({**state, CHECKSUM_KEY: digest}, sort_keys=True, allow_nan=False)
         name = _process_file_name(jax.process_index(), jax.process_count())
         (epath.Path(directory) / name).write_text(text)
 
@@ -179,6 +192,7 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
                 f"{path} is not a HostFeed state: expected a JSON object with keys "
                 f"{[*_SHARED_KEYS, 'streams']}, got {_describe(state)}; the file is corrupt or "
                 f"was written by something else", path=str(path))
+        state = _verify_checksum(path, state)
         bad_streams = [sid for sid, entry in state["streams"].items() if not _is_stream_entry(
             sid, entry)]
         if bad_streams:
@@ -188,6 +202,37 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
                 f"the file is corrupt or was written by something else", path=str(path))
         states[str(path)] = state
     return states
+
+
+def _checksum(state: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of ``state`` (sorted keys, no spaces, no NaN)."""
+    canonical = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _verify_checksum(path: epath.Path, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without its checksum, which must match the rest of it.
+
+    A file without a checksum (saved by an ingest version that wrote none) passes: its fields
+    are still checked against the plan on restore (``validate_state``).
+
+    Raises:
+      FeedCheckpointError: the checksum is not the rest's (the file was edited or corrupted).
+    """
+    if CHECKSUM_KEY not in state:
+        return state
+    state = dict(state)
+    saved = state.pop(CHECKSUM_KEY)
+    try:
+        actual = _checksum(state)
+    except (TypeError, ValueError):
+        actual = None
+    if saved != actual:
+        raise FeedCheckpointError(
+            f"{path} fails its checksum ({CHECKSUM_KEY} {_short(saved, 80)} saved, "
+            f"{actual} computed): the file was edited or corrupted after it was saved; "
+            f"restore another step", path=str(path))
+    return state
 
 
 def _is_stream_entry(sid: Any, entry: Any) -> bool:
@@ -280,8 +325,50 @@ def open_manager(directory: str | epath.Path, max_to_keep: int | None = None
     """
     if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep <= 0):
         raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive integer or None")
+    check_step_folders(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(epath.Path(directory), options=options)
+
+
+def check_step_folders(directory: str | epath.Path) -> None:
+    """Refuses step folders (named by a number) that orbax did not finish writing.
+
+    orbax takes every such folder for a step: one left behind (``mkdir ckpt/99``, a copy
+    stopped half way) would make it decline every later save at or below that step.
+
+    Raises:
+      FeedCheckpointError: naming the folders and what to do.
+    """
+    directory = epath.Path(directory)
+    if not directory.exists():
+        return
+    bad = sorted((p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()
+                  and not any((p / m).exists() for m in _FINALIZED_MARKERS)),
+                 key=lambda p: int(p.name))
+    if bad:
+        raise FeedCheckpointError(
+            f"{directory} holds step folder(s) {[p.name for p in bad]} that are not complete "
+            f"checkpoints (no {' or '.join(_FINALIZED_MARKERS)} in them); orbax would decline "
+            f"every save at or below step {bad[-1].name}. Remove them (or move them out of "
+            f"{directory}), or choose another checkpoint directory", path=str(bad[0]))
+
+
+def lock_directory(directory: str | epath.Path) -> contextlib.AbstractContextManager[None]:
+    """Holds ``directory/.lock`` so that one run at a time saves there (created if missing).
+
+    A local directory only; other URIs (``gs://...``) are not locked.
+
+    Raises:
+      ingest.dirlock.DirectoryInUseError: another live process holds it, naming its host and
+        pid.
+    """
+    path = str(directory)
+    if "://" in path:
+        log.info("%s is not a local directory: not locked against a second run", path)
+        return contextlib.nullcontext()
+    os.makedirs(path, exist_ok=True)
+    return exclusive(path, job="ingest run",
+                     fix="choose another --checkpoint-dir (or checkpoint directory)")
 
 
 def save_feed(manager: ocp.CheckpointManager, step: int, state: dict[str, Any]) -> bool:
@@ -390,3 +477,202 @@ def check_compatible(state: dict[str, Any], config: Config, plan: UnitPlan) -> N
     if problems:
         raise ValueError("cannot restore the feed: " + "; ".join(problems)
                          + ". Restore with the original config and corpus, or start fresh.")
+    validate_state(state, config, plan)
+
+
+# -- every field against the plan --------------------------------------------------------------
+
+
+class _Invalid(ValueError):
+    """One field of a saved state out of its range (``validate_state`` adds where)."""
+
+
+def _count(value: Any, name: str, upper: int | None = None, what: str = "") -> int:
+    """``value`` as a count in ``0..upper`` (inclusive; no upper bound when None)."""
+    allowed = f"0..{upper}" if upper is not None else "an integer >= 0"
+    if (isinstance(value, bool) or not isinstance(value, int) or value < 0
+            or (upper is not None and value > upper)):
+        raise _Invalid(f"{name}={_short(value, 60)} is outside {allowed}"
+                       + (f" ({what})" if what else ""))
+    return value
+
+
+def _below(value: Any, name: str, limit: int, what: str) -> int:
+    """``value`` as an index in ``0..limit - 1`` (``0`` only when ``limit`` is 0)."""
+    return _count(value, name, max(limit - 1, 0), what)
+
+
+def _counter_map(value: Any, name: str, depth: int) -> None:
+    """``{key: count}`` (depth 1) or ``{key: {key: count}}`` (depth 2) with counts >= 0."""
+    if not isinstance(value, dict):
+        raise _Invalid(f"{name}={_short(value, 60)} is not a JSON object of counts")
+    for k, v in value.items():
+        if depth > 1:
+            _counter_map(v, f"{name}[{k!r}]", depth - 1)
+        else:
+            _count(v, f"{name}[{k!r}]")
+
+
+class _StateRanges:
+    """The allowed range of every field of a stream state, from the config and the plan."""
+
+    def __init__(self, config: Config, plan: UnitPlan):
+        self.config = config
+        self.plan = plan
+        self._deals: dict[tuple[int, int | None], list[Any]] = {}
+
+    def units(self, epoch: int, stream: int, source: int | None) -> Any:
+        """The unit ids ``stream`` reads in ``epoch`` (of one source in a mixture)."""
+        from ingest.plan import deal_units  # noqa: PLC0415
+
+        key = (epoch, source)
+        if key not in self._deals:
+            c = self.config
+            self._deals[key] = deal_units(self.plan, num_streams=c.num_streams, seed=c.seed,
+                                          epoch=epoch, shuffle=c.shuffle, source=source,
+                                          deal=c.deal)
+        return self._deals[key][stream]
+
+    def epoch(self, value: Any, name: str) -> int:
+        epochs = self.config.num_epochs
+        if epochs is None:
+            return _count(value, name)
+        return _below(value, name, epochs, f"num_epochs={epochs}")
+
+    def text(self, st: Any, name: str, stream: int, source: int | None) -> None:
+        """A text stream's state (``ingest.stream.StreamState.to_json``)."""
+        from ingest.stream import STATE_VERSION, StreamState  # noqa: PLC0415
+
+        if not isinstance(st, dict):
+            raise _Invalid(f"{name}={_short(st, 60)} is not a stream state (a JSON object)")
+        if st.get("version") != STATE_VERSION:
+            raise _Invalid(f"{name}.version={st.get('version')!r} is not {STATE_VERSION}")
+        fields = {f.name for f in dataclasses.fields(StreamState)} | {"version"}
+        unknown = sorted(set(st) - fields)
+        if unknown:
+            raise _Invalid(f"{name} has unknown keys {unknown}")
+        epoch = self.epoch(st.get("epoch", 0), f"{name}.epoch")
+        units = self.units(epoch, stream, source)
+        unit = _below(st.get("unit", 0), f"{name}.unit", len(units),
+                      f"the stream has {len(units)} unit(s) in epoch {epoch}")
+        if len(units):
+            rows = int(self.plan.units.num_rows[int(units[unit])])
+            _count(st.get("doc", 0), f"{name}.doc", rows,
+                   f"unit {unit} of epoch {epoch} has {rows} document(s)")
+        else:
+            _count(st.get("doc", 0), f"{name}.doc", 0, "the stream has no units")
+        for key in ("offset", "batch_rows_taken", "rows_emitted", "documents",
+                    "truncated_documents", "truncated_tokens"):
+            _count(st.get(key, 0), f"{name}.{key}")
+        if not isinstance(st.get("exhausted", False), bool):
+            raise _Invalid(f"{name}.exhausted={_short(st['exhausted'], 60)} is not true or false")
+        _counter_map(st.get("skipped", {}), f"{name}.skipped", 2)
+        _counter_map(st.get("skipped_units", {}), f"{name}.skipped_units", 1)
+        poison = st.get("poison", [])
+        if not isinstance(poison, list) or not all(
+                isinstance(p, list) and len(p) == 3 and all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)
+                for p in poison):
+            raise _Invalid(f"{name}.poison={_short(poison, 60)} is not a list of "
+                           f"[epoch, unit, document] triples of counts")
+
+    def mixture(self, st: Any, name: str, stream: int) -> None:
+        """A mixed stream's state (``ingest.mixture.MixedStream.get_state``)."""
+        n = len(self.config.sources)
+        if not isinstance(st, dict) or st.get("kind") != "mixture":
+            raise _Invalid(f"{name} is not a mixture state (the config has {n} sources)")
+        comps = st.get("components")
+        if not isinstance(comps, list) or len(comps) != n:
+            raise _Invalid(f"{name}.components holds {_describe(comps)}, not one entry per "
+                           f"source ({n})")
+        for i, comp in enumerate(comps):
+            where = f"{name}.components[{i}]"
+            if not isinstance(comp, dict):
+                raise _Invalid(f"{where} is {_describe(comp)}, not {{state, taken}}")
+            if comp.get("state") is not None:
+                self.text(comp["state"], f"{where}.state", stream, i)
+            _count(comp.get("taken"), f"{where}.taken")
+        for key in ("credit", "tokens", "rows", "component_documents"):
+            values = st.get(key, [0] * n)
+            if not isinstance(values, list) or len(values) not in (0, n):
+                raise _Invalid(f"{name}.{key} holds {_describe(values)}, not {n} counts")
+            for i, v in enumerate(values):
+                _count(v, f"{name}.{key}[{i}]")
+        _count(st.get("rows_emitted", 0), f"{name}.rows_emitted")
+
+    def replay(self, st: Any, name: str, stream: int) -> None:
+        """A materialized directory's stream state (``ingest.replay.ReplayState``)."""
+        if not isinstance(st, dict) or st.get("kind") != "replay":
+            raise _Invalid(f"{name} is not a replay state (the source is materialized)")
+        epoch = self.epoch(st.get("epoch", 0), f"{name}.epoch")
+        del epoch
+        segments = self.plan.stream_units[stream]
+        seg = _count(st.get("segment", 0), f"{name}.segment", len(segments),
+                     f"the stream has {len(segments)} segment(s)")
+        rows = (int(self.plan.units.num_rows[segments[seg]]) if seg < len(segments) else 0)
+        _count(st.get("row", 0), f"{name}.row", rows, f"segment {seg} has {rows} row(s)")
+        _count(st.get("rows_emitted", 0), f"{name}.rows_emitted")
+
+    def rows_before(self, step: int) -> int:
+        """Rows one stream gives to steps ``0..step-1`` (ramp-up included)."""
+        c = self.config
+        keys = sorted(k for k in (c.batch_rampup or {}) if 0 < k < step)
+        total = t = 0
+        for end in [*keys, step]:
+            total += (end - t) * (c.batch_size_at(t) // c.num_streams)
+            t = end
+        return total
+
+
+def validate_state(state: dict[str, Any], config: Config, plan: UnitPlan) -> None:
+    """Checks every field of a host state against ``config`` and ``plan``.
+
+    Positions (epoch, unit, document, segment, row) must lie inside the plan's deal for their
+    stream, counters must be counts, and the rows each stream has given (its state's
+    ``rows_emitted`` plus ``taken``) must be the rows ``step`` steps take from a stream
+    (at most that many once the stream has ended). The checksum of the process file guards
+    the values in range; this guards checkpoints saved without one.
+
+    Raises:
+      ValueError: naming the stream, the field, its value and the allowed range.
+    """
+    ranges = _StateRanges(config, plan)
+    try:
+        step = _count(state.get("step"), "step")
+    except _Invalid as e:
+        raise ValueError(f"the checkpoint's {e}; {_EDITED}") from None
+    expected = ranges.rows_before(step)
+    replay = hasattr(plan, "stream_units")
+    for sid, entry in state["streams"].items():
+        try:
+            if not (isinstance(sid, str) and sid.isdigit()
+                    and int(sid) < config.num_streams):
+                raise _Invalid(f"stream id {sid!r} is outside 0..{config.num_streams - 1} "
+                               f"(num_streams={config.num_streams})")
+            s = int(sid)
+            if not isinstance(entry, dict):
+                raise _Invalid(f"the entry is {_describe(entry)}, not {{state, taken}}")
+            taken = _count(entry.get("taken"), "taken")
+            if entry.get("documents") is not None:
+                _count(entry["documents"], "documents")
+            st = entry.get("state")
+            if st is not None:
+                if replay:
+                    ranges.replay(st, "state", s)
+                elif len(config.sources) > 1:
+                    ranges.mixture(st, "state", s)
+                else:
+                    ranges.text(st, "state", s, None)
+            given = int((st or {}).get("rows_emitted", 0)) + taken
+            ended = bool(st and st.get("exhausted")) and taken == 0
+            if given > expected or (given < expected and not ended):
+                raise _Invalid(
+                    f"state.rows_emitted + taken = {given} rows given, but {step} steps take "
+                    f"{expected} rows of each stream ({'at most; ' if ended else ''}"
+                    f"step={step} or taken={taken} is wrong)")
+        except _Invalid as e:
+            raise ValueError(f"the checkpoint's stream {sid}: {e}; {_EDITED}") from None
+
+
+_EDITED = ("the checkpoint was edited or corrupted, or was saved by another run; restore "
+           "another step or start fresh")
