@@ -12,6 +12,7 @@ of the multi-process test.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -313,7 +314,11 @@ def test_each_process_writes_its_own_json_file_beside_orbax_metadata(concat_run)
     feed_dir = concat_run.directory / "1" / checkpoint.FEED_ITEM
     assert sorted(p.name for p in feed_dir.glob("process_*")) == ["process_0-of-1.json"]
     saved = json.loads((feed_dir / "process_0-of-1.json").read_text())
+    # The state, and beside it the SHA-256 of its canonical JSON.
+    digest = saved.pop(checkpoint.CHECKSUM_KEY)
     assert saved == concat_run.states[0]
+    canonical = json.dumps(saved, sort_keys=True, separators=(",", ":"))
+    assert digest == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 @pytest.mark.ray
