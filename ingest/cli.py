@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every K steps (needs --checkpoint-dir)")
     r.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
+    r.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 even when a fresh run delivers no batch (every document "
+                        "skipped, say); without it that is an error (exit 1)")
     r.add_argument("--step-time", type=float, default=0.0, metavar="SECONDS",
                    help="simulate a training step of this many seconds after each batch")
     r.add_argument("--kill-worker-every", type=float, metavar="SECONDS",

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,6 +43,7 @@ import pyarrow.parquet as pq
 
 from ingest.chunk import Chunk
 from ingest.config import Config
+from ingest.dirlock import exclusive
 from ingest.shift import FIELDS
 from ingest.units import UnitPlan
 
@@ -336,16 +336,9 @@ def _manifest(header: dict[str, Any], streams: list[_StreamOnDisk]) -> dict[str,
     return out
 
 
-@contextlib.contextmanager
-def _exclusive(root: str) -> Iterator[None]:
+def _exclusive(root: str) -> contextlib.AbstractContextManager[None]:
     """One job per directory: an advisory lock the kernel drops when the process dies."""
-    with open(os.path.join(root, ".lock"), "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            raise ValueError(f"another `ingest materialize` is writing {root}; wait for it or "
-                             f"choose another --out") from e
-        yield
+    return exclusive(root, job="ingest materialize", fix="choose another --out")
 
 
 # -- the job -------------------------------------------------------------------------------

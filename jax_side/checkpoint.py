@@ -22,9 +22,12 @@ JSON only: a checkpoint never holds pickled objects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import re
 from typing import Any
 
@@ -32,11 +35,13 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jax_side.host_state import check_compatible
+from ingest.dirlock import exclusive
+from jax_side.host_state import check_compatible, validate_state
 
 __all__ = [
     "FEED_ITEM", "FeedCheckpointError", "FeedCheckpointHandler", "FeedRestore", "FeedSave",
-    "check_compatible", "open_manager", "restore_feed", "restore_latest_feed", "save_feed",
+    "check_compatible", "check_step_folders", "lock_directory", "open_manager", "restore_feed", "restore_latest_feed",
+    "save_feed", "validate_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,10 @@ _PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 _SHARED_KEYS = ("version", "step", "config_fingerprint", "corpus_fingerprint", "config")
 # Shared by every process file where present (older checkpoints lack them).
 _OPTIONAL_SHARED_KEYS = ("corpus_content",)
+CHECKSUM_KEY = "sha256"
+"""The key of a process file that holds the SHA-256 of the rest of it (``_checksum``)."""
+# Orbax writes one of these into a step directory once every item of the step is saved.
+_FINALIZED_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class FeedCheckpointError(ValueError):
@@ -99,11 +108,15 @@ class FeedCheckpointHandler(ocp.CheckpointHandler):
             raise ValueError(f"FeedSave expects a HostFeed state (a dict with 'step' and "
                              f"'streams', from HostFeed.get_state()), got "
                              f"{_describe(state)}")
+        if CHECKSUM_KEY in state:
+            raise ValueError(f"the feed state has a key {CHECKSUM_KEY!r}, which the process "
+                             f"file keeps for its checksum; pass HostFeed.get_state() unchanged")
         try:
-            text = json.dumps(state, sort_keys=True, allow_nan=False)
+            digest = _checksum(state)
         except (TypeError, ValueError) as e:
             raise TypeError(f"the feed state is not plain JSON data ({e}); pass "
                             f"HostFeed.get_state() unchanged") from e
+        text = json.dumps({**state, CHECKSUM_KEY: digest}, sort_keys=True, allow_nan=False)
         name = _process_file_name(jax.process_index(), jax.process_count())
         (epath.Path(directory) / name).write_text(text)
 
@@ -178,6 +191,7 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
                 f"{path} is not a HostFeed state: expected a JSON object with keys "
                 f"{[*_SHARED_KEYS, 'streams']}, got {_describe(state)}; the file is corrupt or "
                 f"was written by something else", path=str(path))
+        state = _verify_checksum(path, state)
         bad_streams = [sid for sid, entry in state["streams"].items() if not _is_stream_entry(
             sid, entry)]
         if bad_streams:
@@ -187,6 +201,37 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
                 f"the file is corrupt or was written by something else", path=str(path))
         states[str(path)] = state
     return states
+
+
+def _checksum(state: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of ``state`` (sorted keys, no spaces, no NaN)."""
+    canonical = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _verify_checksum(path: epath.Path, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without its checksum, which must match the rest of it.
+
+    A file without a checksum (saved by an ingest version that wrote none) passes: its fields
+    are still checked against the plan on restore (``validate_state``).
+
+    Raises:
+      FeedCheckpointError: the checksum is not the rest's (the file was edited or corrupted).
+    """
+    if CHECKSUM_KEY not in state:
+        return state
+    state = dict(state)
+    saved = state.pop(CHECKSUM_KEY)
+    try:
+        actual = _checksum(state)
+    except (TypeError, ValueError):
+        actual = None
+    if saved != actual:
+        raise FeedCheckpointError(
+            f"{path} fails its checksum ({CHECKSUM_KEY} {_short(saved, 80)} saved, "
+            f"{actual} computed): the file was edited or corrupted after it was saved; "
+            f"restore another step", path=str(path))
+    return state
 
 
 def _is_stream_entry(sid: Any, entry: Any) -> bool:
@@ -266,8 +311,50 @@ def open_manager(directory: str | epath.Path, max_to_keep: int | None = None
     """
     if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep <= 0):
         raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive integer or None")
+    check_step_folders(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(epath.Path(directory), options=options)
+
+
+def check_step_folders(directory: str | epath.Path) -> None:
+    """Refuses step folders (named by a number) that orbax did not finish writing.
+
+    orbax takes every such folder for a step: one left behind (``mkdir ckpt/99``, a copy
+    stopped half way) would make it decline every later save at or below that step.
+
+    Raises:
+      FeedCheckpointError: naming the folders and what to do.
+    """
+    directory = epath.Path(directory)
+    if not directory.exists():
+        return
+    bad = sorted((p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()
+                  and not any((p / m).exists() for m in _FINALIZED_MARKERS)),
+                 key=lambda p: int(p.name))
+    if bad:
+        raise FeedCheckpointError(
+            f"{directory} holds step folder(s) {[p.name for p in bad]} that are not complete "
+            f"checkpoints (no {' or '.join(_FINALIZED_MARKERS)} in them); orbax would decline "
+            f"every save at or below step {bad[-1].name}. Remove them (or move them out of "
+            f"{directory}), or choose another checkpoint directory", path=str(bad[0]))
+
+
+def lock_directory(directory: str | epath.Path) -> contextlib.AbstractContextManager[None]:
+    """Holds ``directory/.lock`` so that one run at a time saves there (created if missing).
+
+    A local directory only; other URIs (``gs://...``) are not locked.
+
+    Raises:
+      ingest.dirlock.DirectoryInUseError: another live process holds it, naming its host and
+        pid.
+    """
+    path = str(directory)
+    if "://" in path:
+        log.info("%s is not a local directory: not locked against a second run", path)
+        return contextlib.nullcontext()
+    os.makedirs(path, exist_ok=True)
+    return exclusive(path, job="ingest run",
+                     fix="choose another --checkpoint-dir (or checkpoint directory)")
 
 
 def save_feed(manager: ocp.CheckpointManager, step: int, state: dict[str, Any]) -> bool:

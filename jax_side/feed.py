@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import queue
 import threading
@@ -43,6 +44,8 @@ from jax_side.private_api import put_arrays
 from jax_side.sharding import host_rows, host_rows_per_batch_size
 
 __all__ = ["HostFeed", "IteratorLength", "LocalSource", "steady_window_start", "steps_covering"]
+
+log = logging.getLogger(__name__)
 
 # A prior for iterator_length before any row is seen: English prose runs about 4 bytes per
 # token with the GPT-2 and cl100k BPEs (measured on the demo corpus: 3.6-4.3).
@@ -185,7 +188,7 @@ class _Step:
 
 
 _END = object()
-_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak", "num_pending")
+_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak", "num_pending", "num_workers")
 _POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
@@ -305,6 +308,9 @@ class HostFeed:
         self._end_step: int | None = None  # the last step of a pass that ended
         self._dealt: dict[str, Any] | None = None  # per-epoch deals, for iterator_length
         self._closed_pool_stats: dict[str, Any] = {}
+        # Every owned stream's entry once the data ended (rows read but not delivered
+        # included): the counters stats() reports then.
+        self._end_streams: dict[str, Any] | None = None
         # Consumer-side statistics (over every pass).
         self.steps = 0
         self.passes = 1  # passes begun: 1 + restarts (reset_after_epoch)
@@ -485,6 +491,7 @@ class HostFeed:
                 raise RuntimeError(f"reset_after_epoch: the producer thread did not stop within "
                                    f"get_timeout_s={self._timeout} s to restart the feed")
         self._cursors = {s: _Cursor() for s in self._rows.streams}
+        self._end_streams = None
         if self._source is not None and hasattr(self._source, "reopen"):
             # Ray: the same workers start the pass again (no new actors per pass).
             self._source.reopen({s: (None, 0) for s in self._rows.streams})
@@ -535,6 +542,7 @@ class HostFeed:
         if item is _END:
             self._done = self._pass_started = True
             self._end_step = self._state["step"]
+            self._finish()
             raise StopIteration
         if isinstance(item, BaseException):
             self._done = True
@@ -553,6 +561,46 @@ class HostFeed:
         self.padding_tokens += item.padding_tokens
         self._state = item.state
         return item.arrays
+
+    def _finish(self) -> None:
+        """At the end of the data: stops the producer, counts every real row not delivered
+        (``drop_remainder``: the rows of the first partial step, of the steps assembled after
+        it, and the streams' rows after those, read to their end), and keeps every stream's
+        final entry for ``stats``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout)
+            if self._thread.is_alive():
+                log.warning("the HostFeed producer did not stop within get_timeout_s=%s s at "
+                            "the end of the data: dropped rows and skip counters are those "
+                            "of the delivered steps", self._timeout)
+                return
+        while not self._queue.empty():
+            item = self._queue.get(timeout_s=0)
+            if isinstance(item, _Step):
+                self.dropped_rows += item.rows - item.padding_rows
+                self.dropped_tokens += item.tokens
+        if self.config.drop_remainder and self._source is not None:
+            try:
+                self._count_rest()
+            except Exception as e:  # noqa: BLE001 -- the delivered batches stand; say so
+                log.warning("drop_remainder: could not read the streams to their end to count "
+                            "the rows not delivered (%s); dropped_rows and dropped_tokens are "
+                            "a lower bound", e)
+        self._end_streams = {str(s): c.snapshot() for s, c in self._cursors.items()}
+
+    def _count_rest(self) -> None:
+        """Reads every owned stream to its end, counting its real rows and tokens as dropped."""
+        n = max(1, self.config.chunk_rows)
+        scratch = np.empty((len(FIELDS), n, self.config.seq_len), np.int32)
+        seg = FIELDS.index("inputs_segmentation")
+        for s in self._rows.streams:
+            while True:
+                got = self._take(s, scratch, 0, n)
+                self.dropped_rows += got
+                self.dropped_tokens += int(np.count_nonzero(scratch[seg, :got]))
+                if got < n:
+                    break
 
     def resize(self, workers: int) -> None:
         """Changes the number of Ray workers while iterating; streams move between workers
@@ -691,7 +739,12 @@ class HostFeed:
         skipped_units: dict[str, int] = {}
         documents = truncated_docs = truncated_tokens = 0
         mix_tokens = np.zeros(len(self.config.sources), np.int64)
-        for st in self._state["streams"].values():
+        # Once the data ended, every row read counts (a run that skipped every document has
+        # delivered no state to count from); before, the delivered state's counters (exact
+        # on resume).
+        entries = (self._end_streams if self._end_streams is not None
+                   else self._state["streams"])
+        for st in entries.values():
             s = st["state"] or {}
             if s.get("kind") == "mixture":
                 mix_tokens += s["tokens"]
@@ -719,8 +772,7 @@ class HostFeed:
             "stall_fraction": (self.wait_after_first_s / span) if span > 0 else 0.0,
             "tokens_per_s": (self.tokens / span) if span > 0 else 0.0,
             **self._steady(),
-            # The pool starts at most one worker per owned stream.
-            "workers": min(self._workers, len(self._rows.streams)) if self.backend == "ray" else 0,
+            "workers": self._live_workers(),
             # Of those, workers not started yet: the cluster has no CPU for them (yet).
             "pending_workers": self._pool_stat("num_pending") if self.backend == "ray" else 0,
             "backend": self.backend,
@@ -731,6 +783,8 @@ class HostFeed:
             "rows_per_s_by_stream": self._rates("rows_by_stream"),
             "streams": len(self._rows.streams),
             "documents": documents,
+            # A materialized source replays rows: its streams count no documents.
+            "documents_counted": not hasattr(self.plan, "stream_units"),
             "skipped_documents": skipped,
             "skipped_rows_of_bad_files": skipped_units,
             "skipped_files": [p for p, _, _ in self.plan.skipped_files],
@@ -741,6 +795,15 @@ class HostFeed:
             "source_proportions": ([round(float(x), 4) for x in mix_tokens / mix_tokens.sum()]
                                    if len(mix_tokens) > 1 and mix_tokens.sum() else []),
         }
+
+    def _live_workers(self) -> int:
+        """Ray workers of the pool, started or pending (autoscale and ``resize`` change it);
+        before the pool starts, the workers it will start (at most one per owned stream)."""
+        if self.backend != "ray":
+            return 0
+        if self._source is None and "num_workers" not in self._closed_pool_stats:
+            return min(self._workers, len(self._rows.streams))
+        return int(self._pool_stat("num_workers")) + int(self._pool_stat("num_pending"))
 
     def _steady(self) -> dict[str, Any]:
         """Rate and stall over the later part of the run: from step ``m``, the largest power

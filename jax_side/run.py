@@ -7,8 +7,10 @@ devices, digests hash the gathered global batches, and process 0 prints one summ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -108,7 +110,9 @@ class _NotMainThreadWarning(logging.Filter):
 def _summary_lines(s: dict[str, Any]) -> list[str]:
     lines = [
         f"steps {s['steps']}  tokens {s['tokens']:,}  tokens/s {s['tokens_per_s']:,.0f}  "
-        f"startup {s['startup_s']:.2f} s  stall {100 * s['stall_fraction']:.1f}%"
+        + (f"startup {s['startup_s']:.2f} s" if s.get("startup_s") is not None
+           else "startup - (no batch)")
+        + f"  stall {100 * s['stall_fraction']:.1f}%"
         + (f"  (from step {s['steady_from_step']}: tokens/s {s['steady_tokens_per_s']:,.0f}, "
            f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else ""),
         f"backend {s['backend']}  workers {s['workers']}"
@@ -116,7 +120,9 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
            else "") + f"  restarts {s['restarts']}  "
         f"streams {s['streams']}  "
         f"padding rows {s['padding_rows']}  padding tokens {s['padding_tokens']:,}",
-        f"documents {s['documents']:,}  truncated documents {s['truncated_documents']} "
+        (f"documents {s['documents']:,}" if s.get("documents") is not None
+         else "documents - (a materialized source replays rows; it does not count documents)")
+        + f"  truncated documents {s['truncated_documents']} "
         f"({s['truncated_tokens']:,} tokens)",
     ]
     if "dataset_size" in s:
@@ -130,7 +136,8 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
                 zip(s["tokens_by_source"], s["source_proportions"], strict=True))))
     if s.get("dropped_rows"):
         lines.append(f"drop_remainder dropped {s['dropped_rows']} row(s) "
-                     f"({s['dropped_tokens']:,} tokens) of the last, partial step")
+                     f"({s['dropped_tokens']:,} tokens): every row from the first partial step "
+                     f"on")
     for reason, per_file in sorted(s["skipped_documents"].items()):
         total = sum(per_file.values())
         lines.append(f"skipped {total} document(s) as {reason}: "
@@ -162,6 +169,7 @@ def run_command(args) -> int:
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
         workers = cfg.workers if cfg is not None else args.workers
         ray_started = _RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
+    held = contextlib.ExitStack()  # the checkpoint directory's lock, for the whole run
     try:
         from jax_side import multihost
         from jax_side.feed import HostFeed
@@ -187,6 +195,9 @@ def run_command(args) -> int:
         if args.checkpoint_dir:
             from jax_side import checkpoint
 
+            if lead:
+                # One run per checkpoint directory: a second one would interleave its steps.
+                held.enter_context(checkpoint.lock_directory(args.checkpoint_dir))
             manager = checkpoint.open_manager(args.checkpoint_dir)
             if args.resume:
                 restored = checkpoint.restore_latest_feed(manager)
@@ -198,6 +209,7 @@ def run_command(args) -> int:
                     print(f"ingest: no checkpoint in {args.checkpoint_dir}; starting fresh",
                           file=sys.stderr)
     except BaseException:
+        held.close()
         if ray_started is not None:
             ray_started.join()  # never exit with ray.init half done
         raise
@@ -262,6 +274,7 @@ def run_command(args) -> int:
             digest_log.close()
         if manager is not None:
             manager.wait_until_finished()
+        held.close()
         stats = feed.stats()
         feed.close()
         if args.backend == "ray":
@@ -281,11 +294,51 @@ def run_command(args) -> int:
         stats = multihost.combine_stats(multihost.allgather_json(stats, "the run summaries"))
         if not lead:
             return 0
+    stats = _json_safe(stats)
+    if not stats.get("documents_counted", True):
+        stats["documents"] = None
     for line in _summary_lines(stats):
         print(line, file=sys.stderr)
     if args.json:
-        print(json.dumps(stats, sort_keys=True))
+        print(json.dumps(stats, sort_keys=True, allow_nan=False))
+    if stats["steps"] == 0 and start_step == 0:
+        # A fresh run that delivered nothing: every document skipped, say, or no rows at all.
+        if not getattr(args, "allow_empty", False):
+            print(f"ingest: error: {_empty_run_message(stats)}", file=sys.stderr)
+            return 1
+        print(f"ingest: {_empty_run_message(stats)} (allowed by --allow-empty)",
+              file=sys.stderr)
     return 0
+
+
+def _json_safe(x: Any) -> Any:
+    """``x`` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _empty_run_message(s: dict[str, Any]) -> str:
+    """Why a run delivered no batch, from its summary."""
+    skipped = sum(n for per_file in s["skipped_documents"].values() for n in per_file.values())
+    reasons = ", ".join(sorted(s["skipped_documents"]))
+    causes = []
+    if skipped:
+        causes.append(f"{skipped} document(s) were skipped ({reasons}; on_bad_document: skip)")
+    if s["skipped_rows_of_bad_files"]:
+        causes.append(f"{sum(s['skipped_rows_of_bad_files'].values())} row(s) of unreadable "
+                      f"data were skipped (on_bad_file: skip)")
+    if s["skipped_files"]:
+        causes.append(f"{len(s['skipped_files'])} unreadable file(s) were skipped")
+    if s.get("dropped_rows"):
+        causes.append(f"drop_remainder dropped {s['dropped_rows']} row(s): no step was full")
+    why = "; ".join(causes) if causes else "the sources gave no rows"
+    return (f"the run delivered no batch: {why}. Fix the sources (or on_bad_document / "
+            f"on_bad_file / drop_remainder), or pass --allow-empty if an empty run is expected")
 
 
 def prepare_environment(args) -> None:

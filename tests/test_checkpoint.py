@@ -12,6 +12,7 @@ of the multi-process test.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -313,7 +314,11 @@ def test_each_process_writes_its_own_json_file_beside_orbax_metadata(concat_run)
     feed_dir = concat_run.directory / "1" / checkpoint.FEED_ITEM
     assert sorted(p.name for p in feed_dir.glob("process_*")) == ["process_0-of-1.json"]
     saved = json.loads((feed_dir / "process_0-of-1.json").read_text())
+    # The state, and beside it the SHA-256 of its canonical JSON.
+    digest = saved.pop(checkpoint.CHECKSUM_KEY)
     assert saved == concat_run.states[0]
+    canonical = json.dumps(saved, sort_keys=True, separators=(",", ":"))
+    assert digest == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 @pytest.mark.ray
@@ -518,3 +523,99 @@ def _child(argv: list[str]) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     _child(sys.argv[2:])
+
+
+# -- checksums and field validation ----------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_process_files_carry_a_checksum_and_an_edited_one_is_refused(concat_run, tmp_path,
+                                                                       caplog):
+    last = mid_chunk_step(concat_run) + 1
+    directory = copy_steps(concat_run, tmp_path / "ckpt", last)
+    bad = directory / str(last) / checkpoint.FEED_ITEM / "process_0-of-1.json"
+    saved = json.loads(bad.read_text())
+    assert len(saved.pop(checkpoint.CHECKSUM_KEY)) == 64
+    assert saved == concat_run.states[last - 1]
+    # An edit inside every range: the checksum alone tells.
+    saved["streams"]["1"]["taken"] += 1
+    bad.write_text(json.dumps(dict(saved, sha256=json.loads(bad.read_text())["sha256"])))
+    manager = checkpoint.open_manager(directory)
+    with pytest.raises(FeedCheckpointError, match=f"{bad} fails its checksum"):
+        checkpoint.restore_feed(manager, last)
+    with caplog.at_level(logging.WARNING, logger="jax_side.checkpoint"):
+        assert checkpoint.restore_latest_feed(manager) == concat_run.states[last - 2]
+    assert f"{bad} fails its checksum" in caplog.text
+
+
+@pytest.mark.ray
+def test_a_checkpoint_without_checksum_restores_and_resumes_identically(concat_run, tmp_path):
+    step = mid_chunk_step(concat_run)
+    directory = copy_steps(concat_run, tmp_path / "ckpt", step)
+    path = directory / str(step) / checkpoint.FEED_ITEM / "process_0-of-1.json"
+    saved = json.loads(path.read_text())
+    del saved[checkpoint.CHECKSUM_KEY]
+    path.write_text(json.dumps(saved))
+    run = dataclasses.replace(concat_run, directory=directory)
+    assert_resumes_like_unbroken(run, step)
+
+
+def _edit(state: dict[str, Any], sid: str, **changes: Any) -> dict[str, Any]:
+    """A copy of ``state`` with stream ``sid``'s entry (``taken``) or stream state changed,
+    or ``step`` moved on by ``step``."""
+    state = json.loads(json.dumps(state))
+    entry = state["streams"][sid]
+    for key, value in changes.items():
+        if key in ("taken", "documents"):
+            entry[key] = value
+        elif key == "step":
+            state["step"] += value
+        else:
+            entry["state"][key] = value
+    return state
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("change, message", [
+    (dict(epoch=3), r"stream 0: state.epoch=3 is outside 0..0 \(num_epochs=1\)"),
+    (dict(offset=-5), r"stream 0: state.offset=-5 is outside an integer >= 0"),
+    (dict(doc=100000), r"stream 0: state.doc=100000 is outside 0..5 \(unit \d+ of epoch 0 "
+                       r"has 5 document\(s\)\)"),
+    (dict(unit=99), r"stream 0: state.unit=99 is outside 0..\d+ \(the stream has \d+ "
+                    r"unit\(s\) in epoch 0\)"),
+    (dict(taken=500), r"stream 0: state.rows_emitted \+ taken = \d+ rows given, but \d+ "
+                      r"steps take \d+ rows"),
+    (dict(taken=-1), r"stream 0: taken=-1 is outside"),
+    (dict(rows_emitted=1), r"stream 0: state.rows_emitted \+ taken"),
+    (dict(step=1), r"stream 0: state.rows_emitted \+ taken = \d+ rows given, but \d+ steps"),
+    (dict(exhausted="yes"), r"stream 0: state.exhausted='yes' is not true or false"),
+    (dict(skipped={"null_text": {"a.parquet": -2}}), r"state.skipped\['null_text'\]"),
+])
+def test_out_of_range_fields_are_refused_naming_stream_field_value_and_range(
+        concat_run, change, message):
+    step = mid_document_step(concat_run)
+    state = _edit(concat_run.states[step - 1], "0", **change)
+    with HostFeed(concat_run.config, sharding=sharding(), backend="local") as feed:
+        with pytest.raises(ValueError, match=message) as e:
+            feed.set_state(state)
+    assert "edited or corrupted" in str(e.value)
+    with HostFeed(concat_run.config, sharding=sharding(), backend="local") as feed:
+        feed.set_state(concat_run.states[step - 1])  # the saved state itself restores
+
+
+@pytest.mark.ray
+def test_every_saved_state_of_a_run_passes_validation(concat_run, two_epoch_run, first_fit_run):
+    from ingest import build_plan
+
+    for run in (concat_run, two_epoch_run, first_fit_run):
+        plan = build_plan(run.config)
+        for state in run.states:
+            checkpoint.validate_state(state, run.config, plan)
+
+
+def test_a_stray_step_folder_is_refused_when_the_manager_opens(tmp_path):
+    (tmp_path / "ckpt" / "7").mkdir(parents=True)
+    (tmp_path / "ckpt" / "notes").mkdir()  # not a step: orbax ignores it, and so does this
+    with pytest.raises(FeedCheckpointError, match=r"step folder\(s\) \['7'\] that are not "
+                                                  r"complete checkpoints"):
+        checkpoint.open_manager(tmp_path / "ckpt")

@@ -17,7 +17,15 @@ import jax
 import numpy as np
 import pytest
 from helpers import drain_feed as drain
-from helpers import make_config, split_documents, stream_tokens, tokenize, write_parquet_corpus
+from helpers import (
+    make_config,
+    make_texts,
+    split_documents,
+    stream_tokens,
+    tokenize,
+    write_parquet,
+    write_parquet_corpus,
+)
 
 from ingest import FIELDS, ConfigError, build_plan, step_digest
 from ingest.plan import deal_units
@@ -140,14 +148,31 @@ def test_iterator_length_is_exact_for_one_row_per_document(corpus, sharding):
     assert before.exact and before.steps == len(batches), (before, len(batches))
 
 
-@pytest.mark.parametrize("num_streams", [4, 1])
-def test_drop_remainder_ends_before_the_first_partial_step(corpus, sharding, num_streams):
-    directory, _ = corpus
+@pytest.fixture(scope="module")
+def uneven_corpus(tmp_path_factory):
+    """20 documents, the first unit's 5 about ten times longer: its stream runs on for
+    several steps after the others end."""
+    d = tmp_path_factory.mktemp("uneven_corpus")
+    texts = (make_texts(5, seed=11, min_words=150, max_words=200)
+             + make_texts(15, seed=12, max_words=20))
+    write_parquet(d / "part-0.parquet", texts, row_group_size=10)
+    return d, texts
+
+
+@pytest.mark.parametrize("num_streams, which", [(4, "corpus"), (4, "uneven_corpus"),
+                                                (1, "corpus")])
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+def test_drop_remainder_ends_before_the_first_partial_step_and_counts_every_row_left(
+        request, sharding, num_streams, which, backend):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    directory, _ = request.getfixturevalue(which)
     config = make_config([directory], num_epochs=2, **dict(FEED, num_streams=num_streams))
     with HostFeed(config, sharding=sharding, backend="local") as feed:
         full = drain(feed)
+        everything = feed.stats()
     with HostFeed(config.replace(drop_remainder=True), sharding=sharding,
-                  backend="local") as feed:
+                  backend=backend) as feed:
         length = feed.iterator_length
         dropped = drain(feed)
         stats = feed.stats()
@@ -157,10 +182,21 @@ def test_drop_remainder_ends_before_the_first_partial_step(corpus, sharding, num
     if num_streams == 1:
         # One stream: only the last step is partial, and it alone is dropped.
         assert first == len(full) - 1 and partial == [first]
+    elif which == "uneven_corpus":
+        # Steps after the first partial one hold rows too.
+        assert len(full) - first > 2, (len(full), first)
     assert [step_digest(b) for b in dropped] == [step_digest(b) for b in full[:first]]
     assert stats["padding_rows"] == 0 and stats["steps"] == first
-    assert stats["dropped_rows"] == int((~all_padding(full[first])).sum()) > 0
-    assert stats["dropped_tokens"] == int(np.count_nonzero(full[first]["inputs_segmentation"]))
+    # Every real row and token of the streams is delivered or counted as dropped.
+    real_rows = [int((~all_padding(b)).sum()) for b in full]
+    tokens = [int(np.count_nonzero(b["inputs_segmentation"])) for b in full]
+    assert stats["dropped_rows"] == sum(real_rows[first:]) > 0
+    assert stats["dropped_tokens"] == sum(tokens[first:])
+    delivered_rows = stats["steps"] * config.global_batch_size - stats["padding_rows"]
+    assert delivered_rows + stats["dropped_rows"] == sum(real_rows)
+    assert stats["tokens"] + stats["dropped_tokens"] == everything["tokens"] == sum(tokens)
+    # The streams were read to their end: their documents are all counted.
+    assert stats["documents"] == everything["documents"] > 0
     assert not length.exact and "estimate" in length.basis
 
 

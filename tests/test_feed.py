@@ -641,3 +641,23 @@ def test_handoff_holds_at_most_its_size_keeps_order_and_stops():
     stop.set()
     t.join(timeout=10)
     assert put[-1] is False and [h.get(timeout_s=1), h.get(timeout_s=1)] == [0, 1]
+
+
+@pytest.mark.ray
+def test_stats_report_the_live_worker_count_after_the_pool_resizes_itself(
+        ray_cluster, config, plan, sharding_1d, reference):
+    """The autoscale policy resizes the pool from inside it (``request_resize``), without the
+    feed being told; the summary reports the workers the pool has, not the configured count."""
+    feed = HostFeed(config, sharding=sharding_1d, backend="ray", workers=3, plan=plan,
+                    get_timeout_s=60)
+    assert feed.stats()["workers"] == 3  # before the pool starts: the workers it will start
+
+    def shrink(f: HostFeed) -> None:
+        if f.steps == 1:
+            f._source.request_resize(1)  # what AutoscalePolicy's decision does
+
+    with feed:
+        batches = drain(feed, after_each=shrink)
+        live = feed.stats()["workers"]
+    assert digest_of(batches) == reference["digest"]
+    assert live == 1 and feed.stats()["workers"] == 1  # while open, and once closed
