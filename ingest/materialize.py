@@ -5,7 +5,7 @@ shorter), so that ``ingest.replay`` can feed them again without reading or token
 
     DIR/manifest.json                         format, config and corpus fingerprints, streams
     DIR/stream-00003/segment-000012.parquet   rows [12 R, 13 R) of stream 3   (R = segment_rows)
-    DIR/stream-00003/segment-000012.json      its record: rows, tokens, sha256, resume position
+    DIR/stream-00003/segment-000012.json      its record: rows, tokens, sha256s, resume position
     DIR/stream-00003/complete.json            written once stream 3 is exhausted
 
 Commit protocol: a segment is written under a hidden temporary name, renamed, and only then
@@ -15,7 +15,9 @@ renamed segment whose record never came), skips finished streams, and reopens ev
 stream at the position named by its last record: ``(state, skip)``, the stream state after a
 chunk and the rows of the next chunk already kept (0 when segments end on chunk boundaries).
 Streams are deterministic, so the rows written after a kill are the rows an unbroken job
-would have written, none twice and none missing.
+would have written, none twice and none missing. For the same reason, deleting a segment's
+record (of a damaged segment) has the next job write that segment and the stream's later ones
+again, even in a finished stream.
 
 A segment holds the six fields of ``ingest.shift.FIELDS`` as int32 columns with one value per
 token: ``rows x seq_len`` values, row-major (row r is values ``[r L, (r + 1) L)``), in row
