@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -17,7 +18,7 @@ from typing import Any
 
 from ingest.errors import ConfigError
 
-__all__ = ["Config", "SourceConfig", "load_config"]
+__all__ = ["Config", "SourceConfig", "check_memory", "load_config"]
 
 PACKINGS = ("concat", "first_fit", "best_fit", "none")
 SHIFTS = ("left", "right")
@@ -384,16 +385,16 @@ class Config:
         if not isinstance(raw, dict):
             raise ConfigError([f"the config must be a mapping of fields, got {type(raw).__name__}"])
         known = {f.name for f in dataclasses.fields(cls)}
-        problems = [f"unknown field {k!r}; known fields: {sorted(known)}"
-                    for k in raw if k not in known]
+        problems = [f"unknown field {k!r}{_did_you_mean(k, known)}; known fields: "
+                    f"{sorted(known)}" for k in raw if k not in known]
         sources = []
         for i, s in enumerate(raw.get("sources") or []):
             if not isinstance(s, dict):
                 problems.append(f"sources[{i}] must be a mapping with paths, text_column, weight")
                 continue
             sknown = {f.name for f in dataclasses.fields(SourceConfig)}
-            problems += [f"sources[{i}]: unknown field {k!r}; known fields: {sorted(sknown)}"
-                         for k in s if k not in sknown]
+            problems += [f"sources[{i}]: unknown field {k!r}{_did_you_mean(k, sknown)}; known "
+                         f"fields: {sorted(sknown)}" for k in s if k not in sknown]
             paths = s.get("paths", ())
             if isinstance(paths, str):
                 paths = [paths]
@@ -412,6 +413,98 @@ class Config:
         if problems:
             raise ConfigError(problems)
         return cfg
+
+
+# Batches a host keeps at once: one being filled, HostFeed's default device_prefetch (4)
+# waiting, one in the training step.
+HOST_BATCHES = 6
+BYTES_PER_ROW_TOKEN = 6 * 4  # six int32 fields
+
+
+def machine_memory() -> tuple[int, str]:
+    """Bytes of memory this process may use, and where that figure comes from: the physical
+    memory, or the cgroup's limit (a container) when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = "physical memory"
+    for limit_file in ("/sys/fs/cgroup/memory.max",
+                       "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file, encoding="ascii") as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < total:
+            total, where = int(limit), f"memory limit ({limit_file})"
+        break
+    return total, where
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_memory(config: Config, *, streams: int | None = None,
+                 host_batches: int = HOST_BATCHES, memory: tuple[int, str] | None = None) -> None:
+    """Refuses batch and chunk sizes whose buffers cannot fit in this machine's memory.
+
+    A row is ``seq_len x 6 fields x 4 bytes``. A host keeps ``host_batches`` batches of its
+    rows (its ``streams``' share of the largest global batch, ``batch_rampup`` included); each
+    of the streams keeps ``prefetch`` chunks in flight, one being read and one being produced
+    (``chunk_rows`` rows each), on this machine with the local backend or a one-machine
+    cluster.
+
+    Args:
+      config: a validated config.
+      streams: the streams this host owns (default: all).
+      host_batches: batches the host keeps (0: none, for a job that forms no batches).
+      memory: ``(bytes, what)`` to compare with (default: ``machine_memory()``).
+
+    Raises:
+      ConfigError: naming the fields, the bytes they need and the memory there is.
+    """
+    total, what = memory if memory is not None else machine_memory()
+    have = f"this machine's {_size(total)} of {what}"
+    owned = config.num_streams if streams is None else streams
+    row = config.seq_len * BYTES_PER_ROW_TOKEN
+    problems = []
+    rows, label = max((size, label) for size, label in config.batch_sizes().items())
+    host = rows * owned // config.num_streams
+    batch_need = host_batches * host * row
+    if batch_need > total:
+        which = "global_batch_size" if label.startswith("global_batch_size") else "that factor"
+        problems.append(
+            f"{label}: {host:,} rows on this host x "
+            f"seq_len={config.seq_len:,} x 6 fields x 4 bytes = {_size(host * row)} per batch; "
+            f"the host keeps {host_batches} (one being filled, the prefetched ones, one in "
+            f"use): {_size(batch_need)}, more than {have}. Lower {which} or seq_len")
+    per_stream = config.prefetch + 2
+    chunk_need = owned * per_stream * config.chunk_bytes
+    if chunk_need > total:
+        problems.append(
+            f"chunk_rows={config.chunk_rows:,} x seq_len={config.seq_len:,} x 6 fields x 4 "
+            f"bytes = {_size(config.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
+            f"prefetch={config.prefetch} + 2 chunks each (in flight, being read, being "
+            f"produced): {_size(chunk_need)}, more than {have}. Lower chunk_rows, prefetch or "
+            f"seq_len")
+    if not problems and batch_need + chunk_need > total:
+        problems.append(
+            f"the batches ({_size(batch_need)}: {host_batches} x {host:,} rows x "
+            f"seq_len={config.seq_len:,} x 6 fields x 4 bytes) and chunks ({_size(chunk_need)}: "
+            f"{owned} stream(s) x {per_stream} x chunk_rows={config.chunk_rows:,} rows) need "
+            f"{_size(batch_need + chunk_need)}, more than {have}. Lower global_batch_size, "
+            f"chunk_rows or seq_len")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _did_you_mean(key: Any, known: set[str]) -> str:
+    """``; did you mean 'x'?`` for the known field closest to an unknown key, or nothing."""
+    near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 def _resolve(path: str, base_dir: str | None) -> str:
@@ -494,17 +587,68 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def load_config(path: str, **overrides: Any) -> Config:
-    """Reads a YAML config file; ``overrides`` (non-None values) replace its fields."""
+    """Reads a YAML config file; ``overrides`` (non-None values) replace its fields.
+
+    Raises:
+      ConfigError: invalid YAML, a key given twice in one mapping (naming both lines), a file
+        that is not a mapping of fields, or invalid fields (every problem at once).
+    """
     import yaml
 
     with open(path, encoding="utf-8") as f:
+        loader = _strict_loader(yaml)(f)
         try:
-            raw = yaml.safe_load(f)
+            raw = loader.get_single_data()
         except yaml.YAMLError as e:
             raise ConfigError([f"{path} is not valid YAML: {e}"], where=path) from e
+        finally:
+            loader.dispose()
+    if loader.duplicates:
+        raise ConfigError([f"key {key!r} is given twice, at line {first} and line {second} (YAML "
+                           f"would keep only the last); remove one"
+                           for key, first, second in loader.duplicates], where=path)
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError([f"{path} must be a mapping of fields (seq_len: 1024, sources: [...], "
+                           f"...), but it holds {_described(raw)}"], where=path)
     raw = dict(raw or {})
     raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
     except ConfigError as e:
         raise ConfigError(e.problems, where=path) from None
+
+
+def _described(value: Any) -> str:
+    """What a YAML document holds, for an error: ``a list of 3 items``, ``the string 'x'``."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)" + (f", the first {value[0]!r:.60}" if value
+                                                    else "")
+    return f"the {type(value).__name__} {value!r:.60}"
+
+
+def _strict_loader(yaml: Any) -> type:
+    """A SafeLoader whose mappings record every key given twice as ``duplicates``:
+    ``(key, first line, second line)``, 1-based."""
+
+    class StrictLoader(yaml.SafeLoader):
+        def __init__(self, stream: Any):
+            super().__init__(stream)
+            self.duplicates: list[tuple[Any, int, int]] = []
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # ``<<: *base`` then a key of base overrides it; that is no repeat
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        self.duplicates.append((key, seen[key], line))
+                    else:
+                        seen[key] = line
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader's own error names it
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader

@@ -5,7 +5,7 @@ shorter), so that ``ingest.replay`` can feed them again without reading or token
 
     DIR/manifest.json                         format, config and corpus fingerprints, streams
     DIR/stream-00003/segment-000012.parquet   rows [12 R, 13 R) of stream 3   (R = segment_rows)
-    DIR/stream-00003/segment-000012.json      its record: rows, tokens, sha256, resume position
+    DIR/stream-00003/segment-000012.json      its record: rows, tokens, sha256s, resume position
     DIR/stream-00003/complete.json            written once stream 3 is exhausted
 
 Commit protocol: a segment is written under a hidden temporary name, renamed, and only then
@@ -15,14 +15,18 @@ renamed segment whose record never came), skips finished streams, and reopens ev
 stream at the position named by its last record: ``(state, skip)``, the stream state after a
 chunk and the rows of the next chunk already kept (0 when segments end on chunk boundaries).
 Streams are deterministic, so the rows written after a kill are the rows an unbroken job
-would have written, none twice and none missing.
+would have written, none twice and none missing. For the same reason, deleting a segment's
+record (of a damaged segment) has the next job write that segment and the stream's later ones
+again, even in a finished stream.
 
 A segment holds the six fields of ``ingest.shift.FIELDS`` as int32 columns with one value per
 token: ``rows x seq_len`` values, row-major (row r is values ``[r L, (r + 1) L)``), in row
 groups of whole rows. Flat columns decode 2-4x faster than ``fixed_size_list<int32>`` columns
 (measured here with pyarrow 26 on 4096 x 1024 rows: 48-78 against 118-205 ms), and replay
 is mostly decoding. A segment's ``sha256`` hashes its content, independent of the encoding:
-its rows in order, each row as its six fields in ``FIELDS`` order, int32 little-endian.
+its rows in order, each row as its six fields in ``FIELDS`` order, int32 little-endian. Its
+``file_sha256`` hashes the file's bytes: replay checks it once per process when it first opens
+the segment (reading the file once, which also warms the page cache for the decoding).
 """
 
 from __future__ import annotations
@@ -175,6 +179,15 @@ def read_segment(path: str, seq_len: int) -> np.ndarray:
     return np.stack([table.column(f).to_numpy().reshape(-1, seq_len) for f in FIELDS])
 
 
+def file_sha256(path: str) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def content_sha256(fields: np.ndarray, h: Any | None = None) -> Any:
     """Feeds rows ``[6, n, L]`` into a sha256 (new if None): each row's fields in order."""
     h = h or hashlib.sha256()
@@ -237,10 +250,11 @@ class _SegmentWriter:
         self._writer.close()
         with open(self.tmp, "rb") as f:
             os.fsync(f.fileno())
+        file_sha = file_sha256(self.tmp)
         os.replace(self.tmp, self.path)
         record = {"path": self.rel, "rows": self.rows, "tokens": self.tokens,
-                  "sha256": self._sha.hexdigest(), "bytes": os.path.getsize(self.path),
-                  "resume": {"state": state, "skip": skip}}
+                  "sha256": self._sha.hexdigest(), "file_sha256": file_sha,
+                  "bytes": os.path.getsize(self.path), "resume": {"state": state, "skip": skip}}
         write_json_atomic(self.record_path, record)
         return record
 
@@ -306,7 +320,14 @@ def _scan_stream(root: str, stream_id: int) -> _StreamOnDisk:
     records = []
     while os.path.exists(rec := os.path.join(d, f"segment-{len(records):06d}.json")):
         r = _load_json(rec)
-        path = os.path.join(root, r["path"])
+        want = segment_name(stream_id, len(records))
+        if not isinstance(r, dict) or r.get("path") != want:
+            raise ValueError(
+                f"{rec} names the segment "
+                f"{r.get('path') if isinstance(r, dict) else None!r}, not {want!r}: the "
+                f"directory was changed outside ingest. Delete {rec} and every later segment of "
+                f"{stream_dir(stream_id)}, then rerun `ingest materialize`")
+        path = os.path.join(root, want)
         size = os.path.getsize(path) if os.path.exists(path) else None
         if size != r["bytes"]:
             raise ValueError(
@@ -320,7 +341,13 @@ def _scan_stream(root: str, stream_id: int) -> _StreamOnDisk:
         if name.startswith(".") or (m and int(m.group(1)) >= len(records)):
             os.remove(os.path.join(d, name))  # written by a job that stopped before its commit
     comp = os.path.join(d, COMPLETE)
-    return _StreamOnDisk(records, _load_json(comp) if os.path.exists(comp) else None)
+    complete = _load_json(comp) if os.path.exists(comp) else None
+    if complete is not None and complete.get("segments") != len(records):
+        # Records were deleted to have segments written again: the stream continues from
+        # its last record, so it is no longer complete.
+        os.remove(comp)
+        complete = None
+    return _StreamOnDisk(records, complete)
 
 
 def _manifest(header: dict[str, Any], streams: list[_StreamOnDisk]) -> dict[str, Any]:
@@ -329,7 +356,8 @@ def _manifest(header: dict[str, Any], streams: list[_StreamOnDisk]) -> dict[str,
         "complete": st.complete is not None,
         "rows": sum(r["rows"] for r in st.records),
         "tokens": sum(r["tokens"] for r in st.records),
-        "segments": [{k: r[k] for k in ("path", "rows", "tokens", "sha256", "bytes")}
+        "segments": [{k: r[k] for k in ("path", "rows", "tokens", "sha256", "file_sha256",
+                                        "bytes") if k in r}
                      for r in st.records],
     } for st in streams]
     out["complete"] = all(st.complete is not None for st in streams)

@@ -8,6 +8,11 @@ unchanged. A replay stream reads its segments in order, one row group at a time:
     stream 3   segment-000000 [R rows] | segment-000001 [R rows] | segment-000002 [< R]
     state      {epoch: 0, segment: 1, row: 37}  = the next row is row 37 of segment 1
 
+Each segment is checked against the manifest's ``file_sha256`` the first time a process opens
+it (once per process: later epochs reuse the check while the file is unchanged), so a damaged
+segment stops the feed with its name before any of its rows are fed. Segment paths must lie
+inside the directory.
+
 Its rows are the rows the original stream produced, so with the same ``seq_len``,
 ``num_streams`` and any ``global_batch_size`` that ``num_streams`` divides, the batches (and
 their digests) equal those of streaming the original config with that batch size.
@@ -23,11 +28,13 @@ import os
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.chunk import Chunk, ChunkStream
+from ingest.chunk import Chunk, ChunkStream, state_from_json
 from ingest.config import Config
-from ingest.materialize import MANIFEST, read_manifest
+from ingest.errors import BadInputError
+from ingest.materialize import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
 from ingest.shift import FIELDS
 from ingest.sources import FileInfo, numpy_view
 from ingest.units import Unit, UnitPlan, Units
@@ -45,11 +52,14 @@ class MaterializedPlan(UnitPlan):
       root: the directory.
       seq_len: tokens per row.
       stream_units: per stream, the indices of its segments in ``units``, in order.
+      file_sha256: per file, the sha256 of its bytes from the manifest (None in a manifest
+        without it: the segment's content is hashed instead).
     """
 
     root: str
     seq_len: int
     stream_units: tuple[tuple[int, ...], ...]
+    file_sha256: tuple[str | None, ...] = ()
 
 
 def build_replay_plan(config: Config) -> MaterializedPlan:
@@ -58,7 +68,8 @@ def build_replay_plan(config: Config) -> MaterializedPlan:
     Raises:
       FileNotFoundError: no manifest, or segment files missing (all listed).
       ValueError: sources mixed with a materialized one, an unfinished materialization,
-        seq_len or num_streams other than the directory's, segments changed on disk.
+        seq_len or num_streams other than the directory's, segment paths outside the
+        directory (absolute, with ``..``, or through a link).
     """
     kinds = [s.kind for s in config.sources]
     if len(kinds) > 1:
@@ -87,12 +98,21 @@ def build_replay_plan(config: Config) -> MaterializedPlan:
                             f"re-cut)")
     if problems:
         raise ValueError("; ".join(problems))
-    files, units, stream_units, missing = [], [], [], []
+    outside = [p for st in manifest["streams"] for seg in st["segments"]
+               if (p := _outside(root, seg.get("path")))]
+    if outside:
+        raise ValueError(f"{len(outside)} segment path(s) in {os.path.join(root, MANIFEST)} lie "
+                         f"outside {root}: " + "; ".join(outside[:20])
+                         + ". Segments must lie inside the materialized directory: the manifest "
+                           "or the directory was changed outside ingest. Materialize again into "
+                           "a new directory (`ingest materialize CONFIG --out NEW_DIR`)")
+    files, units, stream_units, missing, hashes = [], [], [], [], []
     row_bytes = len(FIELDS) * 4 * manifest["seq_len"]
     for st in manifest["streams"]:
         ids = []
         for seg in st["segments"]:
             path = os.path.join(root, seg["path"])
+            hashes.append(seg.get("file_sha256"))
             size = os.path.getsize(path) if os.path.exists(path) else None
             if size != seg["bytes"]:
                 missing.append(f"{path} ({'missing' if size is None else f'{size} bytes'}, "
@@ -114,7 +134,72 @@ def build_replay_plan(config: Config) -> MaterializedPlan:
     return MaterializedPlan(files=tuple(files), text_columns=(), units=Units.of(units),
                             skipped_files=(), fingerprint=hashlib.sha256(blob.encode())
                             .hexdigest()[:16], root=root, seq_len=manifest["seq_len"],
-                            stream_units=tuple(stream_units))
+                            stream_units=tuple(stream_units), file_sha256=tuple(hashes))
+
+
+def _outside(root: str, rel: Any) -> str | None:
+    """Why the manifest's segment path ``rel`` does not lie inside ``root`` (None if it does)."""
+    if not isinstance(rel, str) or not rel:
+        return f"{rel!r} is not a relative path"
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        return f"{rel!r} is absolute"
+    if ".." in rel.replace("\\", "/").split("/"):
+        return f"{rel!r} climbs out with '..'"
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, rel))
+    if os.path.commonpath([real_root, real]) != real_root:
+        return f"{rel!r} resolves through a link to {real}"
+    return None
+
+
+# Segments whose bytes this process has checked against the manifest, keyed by what changes
+# when the file does: (real path, expected hash, inode, size, mtime).
+_CHECKED: set[tuple[Any, ...]] = set()
+
+
+def _segment_error(plan: MaterializedPlan, stream_id: int, segment: int, path: str,
+                   what: str) -> BadInputError:
+    record = path[:-len(".parquet")] + ".json"
+    return BadInputError(
+        f"{path} (segment {segment} of stream {stream_id}) {what}: it was changed or damaged "
+        f"after `ingest materialize` wrote it. Delete its record {record} and rerun the "
+        f"`ingest materialize CONFIG --out {plan.root}` command that wrote the directory (same "
+        f"config and corpus): it writes this segment and the stream's later ones again; or "
+        f"materialize into a new directory", reason="corrupt_segment", path=path)
+
+
+def check_segment(plan: MaterializedPlan, stream_id: int, segment: int) -> None:
+    """Checks a segment's bytes (or, without ``file_sha256``, its rows) against the manifest;
+    once per process while the file is unchanged.
+
+    Raises:
+      BadInputError: reason ``corrupt_segment``, naming the segment and the fix.
+    """
+    unit = plan.units[plan.stream_units[stream_id][segment]]
+    info = plan.files[unit.file]
+    want = plan.file_sha256[unit.file] if plan.file_sha256 else None
+    st = os.stat(info.path)
+    key = (os.path.realpath(info.path), want or info.content_key, st.st_ino, st.st_size,
+           st.st_mtime_ns)
+    if key in _CHECKED:
+        return
+    if st.st_size != info.size:
+        raise _segment_error(plan, stream_id, segment, info.path,
+                             f"has {st.st_size} bytes, the manifest {info.size}")
+    if want is not None:
+        got = file_sha256(info.path)
+    else:
+        want = info.content_key
+        try:
+            got = content_sha256(read_segment(info.path, plan.seq_len)).hexdigest()
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise _segment_error(plan, stream_id, segment, info.path,
+                                 f"cannot be decoded ({type(e).__name__}: {e})") from e
+    if got != want:
+        raise _segment_error(plan, stream_id, segment, info.path,
+                             f"does not match the manifest (sha256 {got[:16]}..., the manifest "
+                             f"has {want[:16]}...)")
+    _CHECKED.add(key)
 
 
 @dataclasses.dataclass
@@ -140,14 +225,8 @@ class ReplayState:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ReplayState:
-        d = dict(d)
-        if d.pop("kind", None) != "replay" or d.pop("version", None) != STATE_VERSION:
-            raise ValueError(f"not a replay stream state (version {STATE_VERSION}): {d!r}; it "
-                             f"was saved by a stream of another kind or ingest version")
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - names:
-            raise ValueError(f"replay stream state has unknown keys {sorted(set(d) - names)}")
-        return cls(**d)
+        return state_from_json(cls, d, version=STATE_VERSION, kind="replay", what="replay stream",
+                               hint="it was saved by a stream of another kind or ingest version")
 
 
 class ReplayStream(ChunkStream):
@@ -157,11 +236,7 @@ class ReplayStream(ChunkStream):
         if not isinstance(plan, MaterializedPlan):
             raise TypeError(f"a materialized source needs the plan build_plan makes for it, got "
                             f"{type(plan).__name__}; build it with ingest.build_plan(config)")
-        if not 0 <= stream_id < config.num_streams:
-            raise ValueError(f"stream_id={stream_id} outside [0, num_streams={config.num_streams})")
-        self.config = config
-        self.plan = plan
-        self.stream_id = stream_id
+        super().__init__(config, plan, stream_id)
         self._units = plan.stream_units[stream_id]
         self._file: tuple[int, pq.ParquetFile, np.ndarray] | None = None  # segment, file, ends
         self._group: tuple[int, int, list[np.ndarray]] | None = None  # segment, first row, rows
@@ -198,22 +273,26 @@ class ReplayStream(ChunkStream):
         if g is not None and g[0] == segment and g[1] <= row < g[1] + len(g[2][0]):
             return g[1], g[2]
         L = self.plan.seq_len
-        if self._file is None or self._file[0] != segment:
-            f = pq.ParquetFile(self.plan.files[self.plan.units[self._units[segment]].file].path)
-            rows = [f.metadata.row_group(i).num_rows // L for i in range(f.num_row_groups)]
-            self._file = (segment, f, np.cumsum(rows))
-        _, f, ends = self._file
-        i = int(np.searchsorted(ends, row, side="right"))
-        table = f.read_row_group(i, columns=list(FIELDS))
+        path = self.plan.files[self.plan.units[self._units[segment]].file].path
+        try:
+            if self._file is None or self._file[0] != segment:
+                check_segment(self.plan, self.stream_id, segment)
+                f = pq.ParquetFile(path)
+                rows = [f.metadata.row_group(i).num_rows // L for i in range(f.num_row_groups)]
+                self._file = (segment, f, np.cumsum(rows))
+            _, f, ends = self._file
+            i = int(np.searchsorted(ends, row, side="right"))
+            table = f.read_row_group(i, columns=list(FIELDS))
+        except (pa.ArrowException, OSError) as e:
+            # The bytes matched when the segment was opened: the file changed since.
+            raise _segment_error(self.plan, self.stream_id, segment, path,
+                                 f"cannot be read ({type(e).__name__}: {e})") from e
         arrays = [numpy_view(table.column(name)).reshape(-1, L) for name in FIELDS]
         first = int(ends[i - 1]) if i else 0
         self._group = (segment, first, arrays)
         return first, arrays
 
-    def produce(self, n_rows: int) -> Chunk:
-        """The next ``n_rows`` rows (fewer only at the end), as a chunk."""
-        if n_rows <= 0:
-            raise ValueError(f"n_rows={n_rows} must be positive")
+    def _produce(self, n_rows: int) -> Chunk:
         st = self._state
         out = np.empty((len(FIELDS), n_rows, self.plan.seq_len), dtype=np.int32)
         got = 0

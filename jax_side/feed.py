@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ingest.config import Config
+from ingest.config import Config, check_memory
 from ingest.plan import UnitPlan, build_plan, deal_units
 from ingest.shift import FIELDS
 from ingest.stream import Chunk, open_stream
@@ -274,6 +274,9 @@ class HostFeed:
         self.config = config
         self.sharding = sharding
         self.backend = backend
+        # Before the row maps below, which are as large as the batch: each process's even share.
+        check_memory(config, streams=max(1, config.num_streams // jax.process_count()),
+                     host_batches=device_prefetch + 2)
         self._rows = host_rows(sharding, config.global_batch_size, config.seq_len,
                                config.num_streams)
         # Every batch size of the ramp-up, each checked against the sharding; same streams.

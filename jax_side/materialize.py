@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.config import Config, load_config
+from ingest.config import Config, check_memory, load_config
 from ingest.demo import demo_config
 from ingest.materialize import DEFAULT_SEGMENT_ROWS, MaterializeSummary, materialize
 from ingest.plan import UnitPlan, build_plan, deal_units
@@ -47,6 +47,7 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
     """
     if backend not in ("ray", "local"):
         raise ValueError(f"backend={backend!r} must be 'ray' or 'local'")
+    check_memory(config, host_batches=0)  # chunks that cannot fit fail here, not in a worker
     # Fail on the driver, before any worker starts, on a bad tokenizer spec.
     load_tokenizer(config.tokenizer)
     plan = plan if plan is not None else build_plan(config)
@@ -170,6 +171,7 @@ def materialize_command(args) -> int:
     """``ingest materialize [CONFIG] --out DIR ...``."""
     overrides = {"workers": args.workers}
     cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
+    check_memory(cfg, host_batches=0)  # before reading the corpus
     plan = build_plan(cfg)
     started_ray = False
     if args.backend == "ray":

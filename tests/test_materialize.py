@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -23,7 +24,15 @@ import yaml
 from helpers import assert_resumes_identically, drain, make_config, write_parquet_corpus
 from test_cli import cli_env, ingest_command
 
-from ingest import Config, ConfigError, SourceConfig, build_plan, load_config, step_digest
+from ingest import (
+    BadInputError,
+    Config,
+    ConfigError,
+    SourceConfig,
+    build_plan,
+    load_config,
+    step_digest,
+)
 from ingest.materialize import read_manifest, read_segment
 from ingest.replay import ReplayStream
 from ingest.stream import open_stream
@@ -304,3 +313,121 @@ def test_progress_reports_rows_tokens_and_eta_without_a_terminal(config, tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines and lines[-1].startswith("materialize: 100.0% of units")
     assert f"rows {s.rows:,}  tokens {s.tokens:,}" in lines[-1] and "ETA 0 s" in lines[-1]
+
+
+def _damage(path: Path, at: int) -> None:
+    """Flips every bit of the byte at offset ``at`` of a real file."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _copy(materialized: Path, out: Path) -> Path:
+    shutil.copytree(materialized, out)
+    return out
+
+
+def test_a_damaged_segment_stops_replay_naming_it_and_its_fix(config, materialized, tmp_path):
+    m = read_manifest(str(materialized))
+    seg = m["streams"][2]["segments"][1]
+    size = seg["bytes"]
+    # In the first data page, the middle of the file, and the footer's metadata.
+    for at in (8, size // 2, size - 20):
+        out = _copy(materialized, tmp_path / f"flip{at}")
+        _damage(out / seg["path"], at)
+        with pytest.raises(BadInputError, match=r"segment 1 of stream 2\) does not match the "
+                                                r"manifest .*`ingest materialize`") as e:
+            feed_digests(replay_config(out, config))
+        assert e.value.path == str(out / seg["path"]) and e.value.reason == "corrupt_segment"
+
+
+def test_deleting_a_damaged_segments_record_and_rerunning_materialize_repairs_it(
+        config, materialized, tmp_path):
+    out = _copy(materialized, tmp_path / "out")
+    seg = read_manifest(str(out))["streams"][1]["segments"][2]
+    _damage(out / seg["path"], seg["bytes"] // 2)
+    replay = replay_config(out, config)
+    with pytest.raises(BadInputError, match="Delete its record") as e:
+        feed_digests(replay)
+    record = str(out / seg["path"]).removesuffix(".parquet") + ".json"
+    assert record in str(e.value)
+    os.remove(record)  # the fix the message names
+    s = materialize_corpus(config, str(out), backend="local", segment_rows=7)
+    assert s.complete and s.streams_done_before == config.num_streams - 1
+    assert s.segments_written == len(read_manifest(str(out))["streams"][1]["segments"]) - 2
+    assert read_manifest(str(out))["streams"] == read_manifest(str(materialized))["streams"]
+    assert feed_digests(replay)[0] == feed_digests(config)[0]
+
+
+def test_a_manifest_without_file_hashes_checks_segment_content(config, materialized, tmp_path):
+    out = _copy(materialized, tmp_path / "out")
+    m = read_manifest(str(out))
+    for st in m["streams"]:
+        for seg in st["segments"]:
+            del seg["file_sha256"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert feed_digests(replay_config(out, config))[0] == feed_digests(config)[0]
+    seg = m["streams"][0]["segments"][0]
+    path = out / seg["path"]
+    _damage(path, 8)  # inside the first data page
+    with pytest.raises(BadInputError, match=rf"{path} \(segment 0 of stream 0\) (does not match "
+                                            rf"the manifest|cannot be decoded)"):
+        feed_digests(replay_config(out, config))
+
+
+def test_replay_of_a_damaged_segment_exits_with_its_name_and_no_traceback(config, materialized,
+                                                                         tmp_path):
+    out = _copy(materialized, tmp_path / "out")
+    seg = read_manifest(str(out))["streams"][3]["segments"][0]
+    _damage(out / seg["path"], seg["bytes"] // 2)
+    cfg = {"sources": [{"paths": [str(out)], "kind": "materialized"}],
+           "seq_len": config.seq_len, "global_batch_size": config.global_batch_size,
+           "num_streams": config.num_streams}
+    (tmp_path / "replay.yaml").write_text(yaml.safe_dump(cfg))
+    done = subprocess.run(ingest_command() + ["run", str(tmp_path / "replay.yaml"), "--backend",
+                                              "local", "--digest", "--no-progress"],
+                          env=cli_env(tmp_path / "cache"), capture_output=True, text=True,
+                          timeout=DEADLINE_S, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"{out / seg['path']} (segment 0 of stream 3) does not match" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_segment_paths_outside_the_directory_are_refused(config, materialized, tmp_path):
+    out = _copy(materialized, tmp_path / "out")
+    m = read_manifest(str(out))
+    segs = [st["segments"][0] for st in m["streams"]]
+    # A valid segment outside the directory, reached three ways; every size matches.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(out / segs[0]["path"], elsewhere / "seg.parquet")
+    climb = os.path.relpath(elsewhere / "seg.parquet", out)
+    segs[0]["path"] = climb
+    segs[1].update(path=str(elsewhere / "seg.parquet"), **{
+        k: segs[0][k] for k in ("bytes", "rows", "sha256", "file_sha256")})
+    link = out / segs[2]["path"]
+    link.unlink()
+    os.symlink(elsewhere / "seg.parquet", link)
+    segs[2].update({k: segs[0][k] for k in ("bytes", "rows", "sha256", "file_sha256")})
+    passwd = "../" * (len(out.parts) + 2) + "etc/passwd"
+    segs[3].update(path=passwd, bytes=os.path.getsize("/etc/passwd"))
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"4 segment path\(s\) .* lie outside") as e:
+        build_plan(replay_config(out, config))
+    msg = str(e.value)
+    assert f"{climb!r} climbs out with '..'" in msg
+    assert f"{str(elsewhere / 'seg.parquet')!r} is absolute" in msg
+    assert f"{segs[2]['path']!r} resolves through a link to {elsewhere / 'seg.parquet'}" in msg
+    assert f"{passwd!r} climbs out" in msg and "Materialize again into a new directory" in msg
+
+
+def test_a_segment_record_naming_another_path_is_refused_on_resume(config, tmp_path):
+    out = tmp_path / "out"
+    materialize_corpus(config, str(out), backend="local", segment_rows=50)
+    rec = out / "stream-00001" / "segment-000000.json"
+    r = json.loads(rec.read_text())
+    r["path"] = "../../../../etc/passwd"
+    rec.write_text(json.dumps(r))
+    with pytest.raises(ValueError, match=r"names the segment '\.\./\.\./\.\./\.\./etc/passwd', "
+                                         r"not 'stream-00001/segment-000000.parquet'"):
+        materialize_corpus(config, str(out), backend="local", segment_rows=50)
