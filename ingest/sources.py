@@ -39,7 +39,8 @@ from ingest.errors import BadInputError
 
 log = logging.getLogger("ingest.sources")
 
-__all__ = ["FileInfo", "describe_file", "describe_table", "list_files", "read_texts"]
+__all__ = ["FileInfo", "describe_file", "describe_table", "list_files", "position",
+           "read_texts"]
 
 SUFFIXES = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -340,6 +341,14 @@ def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]
         kept = set(out)
         ordered.append([n for n in named if n in kept])
     return out, ordered
+
+
+def position(info: FileInfo, row: int, group: int | None = None) -> str:
+    """Where row ``row`` (0-based, of the whole file) is, as a reader finds it: ``line N``
+    (1-based) in a JSONL file, else ``row N`` and its row group."""
+    if info.format == "jsonl":
+        return f"line {row + 1}"
+    return f"row {row}" + (f" (in row group {group})" if group is not None else "")
 
 
 def describe_table(name: str, table: pa.Table, column: str, content_key: str, *,

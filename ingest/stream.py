@@ -28,8 +28,8 @@ from ingest.errors import BadInputError, StreamError
 from ingest.pack import assign_bins, fill_bins
 from ingest.plan import UnitPlan, deal_units, philox
 from ingest.shift import FIELDS, concat_fields, shift_rows
-from ingest.sources import BAD_REASONS, decode_texts, numpy_view, read_texts
-from ingest.tokenize import Tokenizer, docs_of, load_tokenizer, with_eos
+from ingest.sources import BAD_REASONS, decode_texts, numpy_view, position, read_texts
+from ingest.tokenize import Tokenizer, bos_id_of, docs_of, load_tokenizer, with_bos, with_eos
 
 __all__ = ["Chunk", "Stream", "StreamState", "open_stream"]
 
@@ -145,6 +145,7 @@ class Stream:
         self._trace = None
         self._tokenizer_error = ""
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        self._bos = bos_id_of(self.tokenizer, config.bos)  # None: no id before documents
         self._deals: dict[int, np.ndarray] = {}
         self.set_state(StreamState().to_json())
 
@@ -224,6 +225,8 @@ class Stream:
             if failed:
                 bad[good_idx[failed]] = BAD_REASONS.index("tokenizer_error")
                 self._raise_first_bad(bad, info, unit, order, detail=self._tokenizer_error)
+        if self._bos is not None:
+            tokens, eos_at = with_bos(tokens, eos_at, self._bos)
         # The good documents' tokens (each with its EOS) are back to back; a bad one has none.
         offsets = np.zeros(len(bad) + 1, dtype=np.int64)
         offsets[1:][bad == 0] = eos_at + 1
@@ -294,7 +297,7 @@ class Stream:
         row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[i])
         reason = BAD_REASONS[bad[i]]
         raise BadInputError(
-            f"{info.path}: row {row} (in row group {unit.group}), column "
+            f"{info.path}: {position(info, row, unit.group)}, column "
             f"{self.plan.text_columns[unit.source]!r}: {reason.replace('_', ' ')}"
             + (f" ({detail})" if detail else "") + "; fix the data or set on_bad_document: "
             "skip to skip such documents (counted)", reason=reason, path=info.path, row=row)
@@ -330,7 +333,7 @@ class Stream:
             order = philox(c.seed, st.epoch, uid, 0xD0C).permutation(unit.num_rows)
         doc = min(st.doc, unit.num_rows - 1)
         row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[doc])
-        return f"{info.path} row {row} (unit {st.unit} of epoch {st.epoch})"
+        return f"{info.path} {position(info, row)} (unit {st.unit} of epoch {st.epoch})"
 
     def _head_unit(self) -> _UnitTokens | None:
         s = self._state
