@@ -91,8 +91,9 @@ def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), os.path.abspath(path)
     scheme, rest = path.split("://", 1)
     if scheme in _ARROW_SCHEMES:
-        if scheme in ("s3", "gs", "gcs") and "?" not in rest:
-            # Object stores: the path is bucket/key, and one filesystem serves the bucket.
+        if scheme in ("s3", "gs", "gcs") and not _QUERY.search(rest):
+            # Object stores: the path is bucket/key, and one filesystem serves the bucket (a
+            # ``?`` not followed by ``option=`` is a glob's).
             return _filesystem_for(f"{scheme}://{rest.split('/', 1)[0]}"), rest
         try:
             return pafs.FileSystem.from_uri(path)
@@ -102,6 +103,7 @@ def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     return _bridged(fs), local
 
 
+_QUERY = re.compile(r"\?[\w.-]+=")
 _ARROW_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 
 
@@ -145,7 +147,7 @@ def _uri(given: str, on_fs: str, found: str) -> str:
     """A file ``found`` below ``on_fs`` (the path on its filesystem of the URI ``given``), as
     a URI written as ``given`` is."""
     root = on_fs.rstrip("/")
-    if "?" not in given and found.startswith(root + "/"):
+    if not _QUERY.search(given) and found.startswith(root + "/"):
         return given.rstrip("/") + found[len(root):]
     return given.split("://", 1)[0] + "://" + found.lstrip("/")
 
@@ -210,34 +212,39 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
     """The files below local folder ``root`` (at most ``depth`` folders down; None: all),
     following symbolic links, each real file once.
 
-    A link to a folder already walked (a loop such as ``ln -s . self``, or a second way to
-    the same folder) is not followed; such links are named in a warning. Of several paths to
-    one file (links to it), the first in sorted order is kept.
+    The folders themselves are walked first, then the folders symbolic links lead to, each
+    once: a link to a folder already walked (a loop such as ``ln -s . self``, or a second way
+    to a folder) is not followed, and such links are named in a warning. A file reached by
+    several paths is listed by the first one walked.
     """
-    seen = {_identity(root)}
+    seen: set[tuple[int, int]] = set()
     files: dict[tuple[int, int], str] = {}
-    skipped = []
-    for folder, dirs, names in os.walk(root, followlinks=True):
-        dirs.sort()
-        if depth is not None and os.path.relpath(folder, root).count(os.sep) + (
-                folder != root) > depth - 1:
-            dirs[:] = []
-        keep = []
-        for d in dirs:
-            full = os.path.join(folder, d)
-            ident = _identity(full)
-            if ident is None or ident in seen:
+    skipped: list[str] = []
+    pending = collections.deque([(root, 0)])  # (folder, its depth below root)
+    while pending:
+        top, top_depth = pending.popleft()
+        ident = _identity(top)
+        if ident is None or ident in seen:
+            skipped.append(f"{top} -> {os.readlink(top)}")
+            continue
+        seen.add(ident)
+        for folder, dirs, names in os.walk(top):  # links are queued, not followed here
+            level = top_depth + (folder != top and os.path.relpath(folder, top).count(os.sep) + 1)
+            dirs.sort()
+            keep = []
+            for d in dirs if depth is None or level < depth else ():
+                full = os.path.join(folder, d)
                 if os.path.islink(full):
-                    skipped.append(f"{full} -> {os.readlink(full)}")
-                continue
-            seen.add(ident)
-            keep.append(d)
-        dirs[:] = keep
-        for name in sorted(names):
-            full = os.path.join(folder, name)
-            ident = _identity(full)
-            if ident is not None and (ident not in files or full < files[ident]):
-                files[ident] = full
+                    pending.append((full, level + 1))
+                elif (ident := _identity(full)) is not None and ident not in seen:
+                    seen.add(ident)
+                    keep.append(d)
+            dirs[:] = keep
+            for name in sorted(names):
+                full = os.path.join(folder, name)
+                ident = _identity(full)
+                if ident is not None and ident not in files and not os.path.isdir(full):
+                    files[ident] = full
     if skipped:
         log.warning("%s: %d symbolic link(s) lead to a folder already read (a loop, or a second "
                     "path to it) and were not followed, so each file is read once: %s", root,
