@@ -225,7 +225,8 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
         top, top_depth = pending.popleft()
         ident = _identity(top)
         if ident is None or ident in seen:
-            skipped.append(f"{top} -> {os.readlink(top)}")
+            if os.path.islink(top):  # else a missing root: no files
+                skipped.append(f"{top} -> {os.readlink(top)}")
             continue
         seen.add(ident)
         for folder, dirs, names in os.walk(top):  # links are queued, not followed here

@@ -332,8 +332,8 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
-        parts = line.split()
-        where = f"tokenizer={path!r}, line {lineno} ({line[:60]!r})"
+        parts = [p.decode("utf-8", "replace") for p in line.split()]
+        where = f"tokenizer={path!r}, line {lineno} ({line[:60].decode('utf-8', 'replace')!r})"
         if len(parts) != 2:
             raise ValueError(f"{where}: expected 'BASE64TOKEN RANK'; {fix}")
         try:
