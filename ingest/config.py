@@ -54,7 +54,8 @@ class SourceConfig:
       weight: mixing weight (> 0): with several sources, each stream takes rows from each
         source in proportion to ``weight`` in tokens (``ingest.mixture``); to pool files
         without weights, list them in one source.
-      format: ``parquet``, ``arrow`` (IPC file / Feather v2) or ``jsonl``; None picks by suffix.
+      format: ``parquet``, ``arrow`` (IPC file / Feather v2, or IPC stream: told apart by the
+        file's first bytes) or ``jsonl``; None picks by suffix.
       kind: ``files`` (text documents) or ``materialized`` (one directory written by
         ``ingest materialize``, replayed row for row by ``ingest.replay``; alone, never mixed).
     """

@@ -57,13 +57,13 @@ class FileInfo:
 
     Attributes:
       path: as given or found (local path or URI).
-      format: parquet, arrow or jsonl.
+      format: parquet, arrow (IPC file), arrow_stream (IPC stream) or jsonl.
       size: bytes on storage.
       row_groups: rows in each row group, in file order.
       group_bytes: uncompressed bytes of the text column per row group (balances the deal).
       content_key: a hash that changes when the file's content does: the Parquet footer (with
-        its column statistics), the Arrow footer plus the file's first and last 64 KiB, all of
-        a JSONL file, or an in-memory table's content.
+        its column statistics), the Arrow footer (an IPC file's; a stream has none) plus the
+        file's first and last 64 KiB, all of a JSONL file, or an in-memory table's content.
       table: the table of an in-memory source (format ``memory``), else None.
     """
 
