@@ -137,7 +137,6 @@ def _fsspec(path: str, scheme: str):
         ) from e
 
 
-
 @functools.lru_cache(maxsize=64)
 def _bridged(fs) -> pafs.FileSystem:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
@@ -184,16 +183,18 @@ def _glob_regex(pattern: str) -> re.Pattern:
         j = 0
         while j < len(part):
             c = part[j]
+            neg = part[j + 1:j + 2] == "!"
+            # A class's first character (after a "!") is in it, even "]" (fnmatch's rule).
+            end = part.find("]", j + 2 + neg) if c == "[" else -1
             if c == "*":
                 rx += "[^/]*"
             elif c == "?":
                 rx += "[^/]"
-            elif c == "[" and (k := part.find("]", j + 2 if part[j + 1:j + 2] in "!^" else j + 1)) > j:
-                body = part[j + 1:k]
-                neg = body[:1] in ("!", "^")
-                body = body[1:] if neg else body
-                rx += "[" + ("^/" if neg else "") + body.replace("\\", "\\\\") + "]"
-                j = k
+            elif end > 0:
+                body = "".join("\\" + ch if ch in "\\[]^" else ch
+                               for ch in part[j + 1 + neg:end])
+                rx += "[" + ("^/" if neg else "") + body + "]"
+                j = end
             else:
                 rx += re.escape(c)
             j += 1
@@ -230,7 +231,8 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
             continue
         seen.add(ident)
         for folder, dirs, names in os.walk(top):  # links are queued, not followed here
-            level = top_depth + (folder != top and os.path.relpath(folder, top).count(os.sep) + 1)
+            below = os.path.relpath(folder, top)
+            level = top_depth + (below != "." and below.count(os.sep) + 1)
             dirs.sort()
             keep = []
             for d in dirs if depth is None or level < depth else ():
@@ -244,7 +246,7 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
             for name in sorted(names):
                 full = os.path.join(folder, name)
                 ident = _identity(full)
-                if ident is not None and ident not in files and not os.path.isdir(full):
+                if ident is not None and ident not in files:
                     files[ident] = full
     if skipped:
         log.warning("%s: %d symbolic link(s) lead to a folder already read (a loop, or a second "

@@ -205,7 +205,8 @@ def test_an_unknown_tiktoken_vocabulary_takes_the_id_after_its_highest_rank(tmp_
 
 GARBLED = [
     ("empty", lambda lines: [], r"is empty"),
-    ("bad base64", lambda lines: lines[:2] + ["@@not*base64 2"] + lines[3:], r"line 3 .*not base64"),
+    ("bad base64", lambda lines: lines[:2] + ["@@not*base64 2"] + lines[3:],
+     r"line 3 .*not base64"),
     ("rank not an integer", lambda lines: lines[:4] + [lines[4].split()[0] + " 4.5"] + lines[5:],
      r"line 5 .*rank '4\.5' is not an integer"),
     ("duplicate rank", lambda lines: lines[:7] + [lines[7].split()[0] + " 3"] + lines[8:],
