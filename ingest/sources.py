@@ -515,8 +515,10 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: s
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
         raise BadInputError(
-            f"{info.path}: cannot read rows {start}..{stop} of row group {group} "
-            f"({type(e).__name__}: {e}); replace the file, or set on_bad_file: skip",
+            f"{info.path}: cannot read "
+            + (f"lines {start + 1}..{stop} " if info.format == "jsonl"
+               else f"rows {start}..{stop} of row group {group} ")
+            + f"({type(e).__name__}: {e}); replace the file, or set on_bad_file: skip",
             reason="corrupt_file", path=info.path) from e
 
 
@@ -757,7 +759,9 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
 def _changed(info: FileInfo, group: int, found: str) -> BadInputError:
     """The error for a group that no longer has the rows the plan counted (``found`` now)."""
     return BadInputError(
-        f"{info.path}: row group {group} has {found} rows, and had {info.row_groups[group]} "
+        f"{info.path}: " + (f"the file has {found} lines" if info.format == "jsonl" else
+                            f"row group {group} has {found} rows")
+        + f", and had {info.row_groups[group]} "
         f"when the plan was built: the file changed since; restart the job to plan afresh, or "
         f"set on_bad_file: skip", reason="corrupt_file", path=info.path)
 

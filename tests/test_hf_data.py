@@ -282,3 +282,20 @@ def test_jsonl_skip_counts_the_line_the_error_names(tmp_path):
 def test_source_config_accepts_a_model_folder_tokenizer(llama_style, tmp_path):
     write_parquet(tmp_path / "a.parquet", make_texts(10, 1))
     Config(sources=(SourceConfig(paths=(str(tmp_path),)),), tokenizer=llama_style, bos=True)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_jsonl_file_that_changed_after_planning_is_named_in_lines(tmp_path, sequential):
+    from ingest import sources
+    from tests.helpers import forget_decoded
+
+    path = write_jsonl(tmp_path / "a.jsonl", make_texts(10, 1))
+    config = make_config([path], unit_rows=4, deal="row_groups" if sequential else "units")
+    plan = build_plan(config)
+    write_jsonl(tmp_path / "a.jsonl", make_texts(7, 2))
+    forget_decoded()
+    with pytest.raises(BadInputError, match=r"the file has 7 lines, and had 10 when the plan"):
+        for u in plan.units:
+            sources.read_texts(plan.files[0], u.group, u.row_start, u.row_end, "text",
+                               sequential=sequential)
+    forget_decoded()
