@@ -55,7 +55,8 @@ class SourceConfig:
       weight: mixing weight (> 0): with several sources, each stream takes rows from each
         source in proportion to ``weight`` in tokens (``ingest.mixture``); to pool files
         without weights, list them in one source.
-      format: ``parquet``, ``arrow`` (IPC file / Feather v2) or ``jsonl``; None picks by suffix.
+      format: ``parquet``, ``arrow`` (IPC file / Feather v2, or IPC stream: told apart by the
+        file's first bytes) or ``jsonl``; None picks by suffix.
       kind: ``files`` (text documents) or ``materialized`` (one directory written by
         ``ingest materialize``, replayed row for row by ``ingest.replay``; alone, never mixed).
     """
@@ -143,8 +144,10 @@ class Config:
 
     Attributes:
       sources: the datasets (at least one).
-      tokenizer: ``gpt2``, ``cl100k``, a path to a HF ``tokenizer.json`` or to a ``.tiktoken``
-        file.
+      tokenizer: ``gpt2``, ``cl100k``, a path to a HF ``tokenizer.json``, to a local Hugging
+        Face model folder holding one, or to a ``.tiktoken`` file.
+      bos: a beginning-of-document id before every document (Llama-style pretraining):
+        ``false`` (none), ``true`` (the tokenizer's own BOS token) or an id.
       seq_len: tokens per row.
       global_batch_size: rows per step (B), over all hosts.
       num_streams: S, the number of deterministic streams; must divide B. Fixed for a run:
@@ -199,6 +202,7 @@ class Config:
 
     sources: tuple[SourceConfig, ...]
     tokenizer: str = "gpt2"
+    bos: bool | int = False
     seq_len: int = 1024
     global_batch_size: int = 32
     num_streams: int = 8
@@ -241,10 +245,14 @@ class Config:
                     problems += s.problems(f"sources[{i}]")
         if not isinstance(self.tokenizer, str) or not (
                 self.tokenizer in TOKENIZER_NAMES or self.tokenizer.endswith(
-                    (".json", ".tiktoken"))):
+                    (".json", ".tiktoken")) or os.sep in self.tokenizer
+                or os.path.isdir(self.tokenizer)):
             problems.append(f"tokenizer={self.tokenizer!r} is unknown; use one of "
-                            f"{list(TOKENIZER_NAMES)}, a path to a HF tokenizer.json, or a path "
-                            f"to a .tiktoken file")
+                            f"{list(TOKENIZER_NAMES)}, a path to a HF tokenizer.json or to a "
+                            f"model folder holding one, or a path to a .tiktoken file")
+        if not isinstance(self.bos, bool) and not (isinstance(self.bos, int) and self.bos >= 0):
+            problems.append(f"bos={self.bos!r} must be false, true (the tokenizer's own "
+                            f"beginning-of-document token) or a token id >= 0")
 
         def positive_int(name: str, allow_none: bool = False):
             v = getattr(self, name)
@@ -367,7 +375,8 @@ class Config:
         for s in d["sources"]:
             s.pop("weight", None)
         return {k: v for k, v in d.items() if k not in RUNTIME_FIELDS
-                and not (k in _OMITTED_AT_DEFAULT and v == _OMITTED_AT_DEFAULT[k])}
+                and not (k in _OMITTED_AT_DEFAULT and v == _OMITTED_AT_DEFAULT[k]
+                         and type(v) is type(_OMITTED_AT_DEFAULT[k]))}
 
     def fingerprint(self) -> str:
         blob = json.dumps(self.output_fields(), sort_keys=True).encode()
@@ -515,7 +524,8 @@ def _resolve(path: str, base_dir: str | None) -> str:
 
 # Output fields added after checkpoints existed enter the fingerprint only when set, so a
 # checkpoint saved before they existed still restores under their defaults.
-_OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None, "deal": "units"}
+_OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None, "deal": "units",
+                       "bos": False}
 
 
 def _check_rampup(raw: Any, batch: int | None, streams: int | None
@@ -563,7 +573,8 @@ def _check_rampup(raw: Any, batch: int | None, streams: int | None
 
 
 def _resolve_tokenizer(name: str, base_dir: str | None) -> str:
-    if os.sep in name or name.endswith((".json", ".tiktoken")):
+    if os.sep in name or name.endswith((".json", ".tiktoken")) or (
+            base_dir is not None and os.path.isdir(os.path.join(base_dir, name))):
         return _resolve(name, base_dir)
     return name
 

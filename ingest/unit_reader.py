@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 from ingest.config import Config
 from ingest.errors import BadInputError
 from ingest.plan import deal_units, philox
-from ingest.sources import BAD_REASONS, decode_texts, numpy_view, read_texts
-from ingest.tokenize import Tokenizer, docs_of, with_eos
+from ingest.sources import BAD_REASONS, decode_texts, numpy_view, position, read_texts
+from ingest.tokenize import Tokenizer, bos_id_of, docs_of, with_bos, with_eos
 from ingest.units import UnitPlan
 
 __all__ = ["UnitReader", "UnitTokens"]
@@ -53,6 +53,7 @@ class UnitReader:
         self.stream_id = stream_id
         self.tokenizer = tokenizer
         self.source = source
+        self._bos = bos_id_of(tokenizer, config.bos)  # None: no id before documents
         # Called with each document's place before it is tokenized (see Stream.set_trace).
         self.trace = None
         self._tokenizer_error = ""
@@ -133,6 +134,8 @@ class UnitReader:
             if failed:
                 bad[good_idx[failed]] = BAD_REASONS.index("tokenizer_error")
                 self._raise_first_bad(bad, info, unit, order, detail=self._tokenizer_error)
+        if self._bos is not None:
+            tokens, eos_at = with_bos(tokens, eos_at, self._bos)
         # The good documents' tokens (each with its EOS) are back to back; a bad one has none.
         offsets = np.zeros(len(bad) + 1, dtype=np.int64)
         offsets[1:][bad == 0] = eos_at + 1
@@ -190,7 +193,7 @@ class UnitReader:
         row = sum(info.row_groups[:unit.group]) + unit.row_start + int(order[i])
         reason = BAD_REASONS[bad[i]]
         raise BadInputError(
-            f"{info.path}: row {row} (in row group {unit.group}), column "
+            f"{info.path}: {position(info, row, unit.group)}, column "
             f"{self.plan.text_columns[unit.source]!r}: {reason.replace('_', ' ')}"
             + (f" ({detail})" if detail else "") + "; fix the data or set on_bad_document: "
             "skip to skip such documents (counted)", reason=reason, path=info.path, row=row)
@@ -221,7 +224,7 @@ class UnitReader:
         order = self._order(epoch, uid)
         row = (sum(info.row_groups[:unit.group]) + unit.row_start
                + int(order[min(doc, unit.num_rows - 1)]))
-        return f"{info.path} row {row} (unit {pos} of epoch {epoch})"
+        return f"{info.path} {position(info, row)} (unit {pos} of epoch {epoch})"
 
 
 # The last deals made in this process: (plan, dealt) by (id(plan), num_streams, seed, epoch,
