@@ -176,7 +176,7 @@ class StreamWorker:
         self._poison_marker = marker
 
     def _tokenizer(self):
-        tok = load_tokenizer(self._config.tokenizer)
+        tok = load_tokenizer(self._config.tokenizer, self._config.tokenizer_backend)
         return tok if self._poison_marker is None else _Poisoned(tok, self._poison_marker)
 
     def inject_error(self, stream_id: int, at_row: int) -> None:

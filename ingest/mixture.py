@@ -105,7 +105,7 @@ class MixedStream:
 
     def __init__(self, config: Config, plan: UnitPlan, stream_id: int,
                  tokenizer: Tokenizer | None = None):
-        tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.tokenizer_backend)
         self.config = config
         self.plan = plan
         self.stream_id = stream_id

@@ -144,7 +144,7 @@ class Stream:
         self.source = source  # None: every source's units, pooled; else one mixture component
         self._trace = None
         self._tokenizer_error = ""
-        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer)
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.tokenizer_backend)
         self._deals: dict[int, np.ndarray] = {}
         self.set_state(StreamState().to_json())
 
