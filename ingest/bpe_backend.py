@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["FASTEST_FIRST", "FastBPETokenizer", "accelerate", "adversarial_texts",
-           "probe_texts"]
+__all__ = ["FASTEST_FIRST", "PROVEN", "FastBPETokenizer", "accelerate", "adversarial_texts",
+           "load_encoder", "probe_texts", "self_check"]
 
 log = logging.getLogger("ingest.tokenize")
 
@@ -42,7 +42,7 @@ PROVEN = {"rs_bpe": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
           "bpe_openai": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"}}
 
 
-def _load_encoder(backend: str, encoding: str) -> Callable[[str], Sequence[int]]:
+def load_encoder(backend: str, encoding: str) -> Callable[[str], Sequence[int]]:
     """The backend's encode-ordinary-text call for ``encoding``."""
     if backend == "rs_bpe":
         from rs_bpe.bpe import openai  # noqa: PLC0415 (optional, loaded on demand)
@@ -129,7 +129,7 @@ def accelerate(reference, spec: str, backend: str):
         return reference
     if backend != "auto":
         if backend not in PROVEN:
-            _load_encoder(backend, "")  # raises, naming the choices
+            load_encoder(backend, "")  # raises, naming the choices
         if spec not in PROVEN[backend]:
             raise ValueError(f"tokenizer_backend={backend!r} is proven on tokenizer "
                              f"{sorted(PROVEN[backend])} only, not {spec!r}; use "
@@ -138,7 +138,7 @@ def accelerate(reference, spec: str, backend: str):
                   if spec in PROVEN[b]]
     for name in candidates:
         try:
-            encode = _load_encoder(name, PROVEN[name][spec])
+            encode = load_encoder(name, PROVEN[name][spec])
         except ImportError as e:
             if backend != "auto":
                 raise ValueError(f"tokenizer_backend={backend!r} needs its library: pip "
