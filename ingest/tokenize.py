@@ -236,7 +236,6 @@ def load_tokenizer(spec: str, backend: str = "auto") -> Tokenizer:
     return accelerate(_load_tokenizer(spec), spec, backend)
 
 
-@functools.cache
 def _load_tokenizer(spec: str) -> Tokenizer:
     if spec == "gpt2":
         return _gpt2()
