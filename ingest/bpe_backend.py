@@ -5,12 +5,12 @@ for a vocabulary where a differential test against tiktoken (``tests/test_bpe_ba
 over a large generated adversarial corpus and the standard library's sources) found identical
 ids; it is runtime only: the ids, and so the batches, do not depend on it.
 
-============  =================================================  ======================
-backend       library call                                        vocabularies proven
-============  =================================================  ======================
-``rs_bpe``    ``rs_bpe.bpe.openai.cl100k_base().encode``          cl100k
-``bpe_openai`` ``bpe_openai.get_encoding("cl100k_base")``          cl100k
-============  =================================================  ======================
+==============  ====================================================  ===================
+backend         library call                                          vocabularies proven
+==============  ====================================================  ===================
+``rs_bpe``      ``rs_bpe.bpe.openai.cl100k_base().encode``            cl100k
+``bpe_openai``  ``bpe_openai.get_encoding("cl100k_base")``            cl100k
+==============  ====================================================  ===================
 
 Neither library can run GPT-2's vocabulary offline (their Rust cores hold named encodings
 only), so ``gpt2`` and ``.tiktoken`` files always run on tiktoken. ``auto`` picks the first
