@@ -109,8 +109,11 @@ class WorkerPool:
             start_now = len(self._workers)
         # Groups of streams_per_call consecutive streams, each group on one worker: one call
         # makes the next chunk of every stream of a group (fewer calls and objects). At most
-        # a worker's share of the streams, so that every worker gets a group.
-        g = max(1, min(config.streams_per_call, len(self._stream_ids) // n))
+        # a worker's share of the streams, so that every worker gets a group; left null in the
+        # config, exactly that share.
+        share = len(self._stream_ids) // n
+        g = max(1, share if config.is_auto("streams_per_call")
+                else min(config.streams_per_call, share))
         self._group = {s: tuple(self._stream_ids[i - i % g:i - i % g + g])
                        for i, s in enumerate(self._stream_ids)}
         self._placement = {s: self._workers[(i // g) % start_now]

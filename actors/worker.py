@@ -163,7 +163,8 @@ class StreamWorker:
             s.set_trace(None)
 
     def _tokenizer(self):
-        return self._faults.tokenizer(load_tokenizer(self._config.tokenizer))
+        return self._faults.tokenizer(
+            load_tokenizer(self._config.tokenizer, self._config.tokenizer_backend))
 
     def set_faults(self, faults: WorkerFaults) -> None:
         """Takes the faults ``actors.faults`` injects (tests, demos); keeps earlier ones."""

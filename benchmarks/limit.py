@@ -67,7 +67,8 @@ def measure_tokenizer(spec: BenchSpec) -> dict[str, Any]:
         ids, _ = tok.encode_docs(texts)
         times.append(time.perf_counter() - t0)
         tokens = len(ids)  # each document's EOS included, as the feed counts them
-    backend = "tiktoken" if type(tok).__name__ == "TiktokenTokenizer" else "hf tokenizers"
+    backend = getattr(tok, "backend", "tiktoken" if type(tok).__name__ == "TiktokenTokenizer"
+                      else "hf tokenizers")
     return {"backend": backend, "call": f"{type(tok).__name__}.encode_docs",
             "complete": info["complete"], **_rates(times, tokens, info["text_bytes"], len(texts))}
 

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from ingest.cache import cache_root
+from ingest.config import AUTO_FIELDS
 from ingest.demo import demo_config
 
 MAX_DOC_BYTES = 200
@@ -76,8 +77,8 @@ def write_tiny_corpus(root: str | None = None) -> str:
     config = {"sources": [{"paths": [out], "text_column": "text"}], "tokenizer": demo.tokenizer,
               "seq_len": demo.seq_len, "global_batch_size": demo.global_batch_size,
               "num_streams": demo.num_streams, "packing": demo.packing, "num_epochs": 1,
-              "unit_rows": 256, "chunk_rows": demo.chunk_rows, "prefetch": demo.prefetch,
-              "streams_per_call": demo.streams_per_call}
+              "unit_rows": 256,
+              **{n: getattr(demo, n) for n in AUTO_FIELDS if not demo.is_auto(n)}}
     with open(config_path + ".tmp", "w") as f:
         yaml.safe_dump(config, f)
     os.replace(config_path + ".tmp", config_path)

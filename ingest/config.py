@@ -3,6 +3,10 @@
 Every violation is collected and reported together (`ConfigError`), naming the field, what
 arrived and how to fix it. Fields that change the batches (`output_fields`) are fingerprinted
 into every checkpoint; the rest (workers, chunk_rows, prefetch) may change between runs.
+
+The runtime knobs ``chunk_rows``, ``streams_per_call`` and ``prefetch`` default to null, which
+resolves them from ``seq_len``, ``num_streams``, ``workers`` and ``object_store_budget_mb``
+(``Config.runtime_choices``); a value given explicitly is kept as given.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -19,6 +24,8 @@ from typing import Any
 from ingest.errors import ConfigError
 
 __all__ = ["Config", "SourceConfig", "check_memory", "load_config"]
+
+log = logging.getLogger("ingest.config")
 
 PACKINGS = ("concat", "first_fit", "best_fit", "none")
 SHIFTS = ("left", "right")
@@ -28,13 +35,25 @@ BAD_INPUT_POLICIES = ("error", "skip")
 FORMATS = ("parquet", "arrow", "jsonl")
 SOURCE_KINDS = ("files", "materialized")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
+TOKENIZER_BACKENDS = ("auto", "tiktoken", "rs_bpe", "bpe_openai")
+
+# The rule for runtime knobs left null. A chunk holds about CHUNK_TOKENS tokens (128 rows of
+# 1024): Ray's raylet and the host spend a fixed cost per chunk, which larger chunks spread over
+# more tokens. AUTO_PREFETCH requests in flight per stream keep a consumer from waiting at the
+# step where every stream finishes its chunk. Without object_store_budget_mb, chunks are sized
+# to keep num_streams x (prefetch + 1) chunks within AUTO_BUDGET_MB.
+CHUNK_TOKENS = 1 << 17
+AUTO_PREFETCH = 2
+AUTO_BUDGET_MB = 1024
+AUTO_FIELDS = ("chunk_rows", "streams_per_call", "prefetch")
+_LOGGED: set[str] = set()  # runtime choices already logged by this process
 
 # Fields that may differ between a checkpoint and the config it is restored into.
 RUNTIME_FIELDS = frozenset({"workers", "chunk_rows", "streams_per_call", "prefetch",
                             "object_store_budget_mb",
                             "reset_after_epoch",
                             "autoscale", "min_workers", "max_workers", "autoscale_window_s",
-                            "pin_workers", "prefault_object_store"})
+                            "pin_workers", "prefault_object_store", "tokenizer_backend"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,11 +199,18 @@ class Config:
         is read, for corpora larger than the memory and disk caches of decoded groups.
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
+      tokenizer_backend: the library that runs the tokenizer: ``auto`` (the fastest one
+        proven to give tiktoken's ids for this vocabulary, else tiktoken), ``tiktoken``,
+        ``rs_bpe`` or ``bpe_openai`` (cl100k only; see ``ingest.bpe_backend``). The ids, and
+        so the batches, are the same with every backend. Runtime only.
       workers: Ray worker actors (one CPU each). Runtime only.
-      chunk_rows: rows per stream per actor call. Runtime only.
+      chunk_rows: rows per stream per actor call. Null (default): about 128k tokens
+        (``131072 // seq_len`` rows, at least 1), fewer where ``num_streams x (prefetch + 1)``
+        chunks would exceed ``object_store_budget_mb`` (1024 MB without one). Runtime only.
       streams_per_call: streams of one worker whose next chunks one actor call makes and
-        returns as one object (fewer calls and objects; the chunks are the same). Runtime only.
-      prefetch: chunk requests in flight per stream. Runtime only.
+        returns as one object (fewer calls and objects; the chunks are the same). Null
+        (default): a worker's share of the host's streams. Runtime only.
+      prefetch: chunk requests in flight per stream. Null (default): 2. Runtime only.
       object_store_budget_mb: the most object-store memory a host's chunks may hold (requests in
         flight plus the chunk being read, per owned stream); lowers the requests in flight to
         fit. Null: ``prefetch`` alone bounds it. Runtime only.
@@ -221,10 +247,11 @@ class Config:
     deal: str = "units"
     on_bad_document: str = "error"
     on_bad_file: str = "error"
+    tokenizer_backend: str = "auto"
     workers: int = 2
-    chunk_rows: int = 16
-    streams_per_call: int = 1
-    prefetch: int = 2
+    chunk_rows: int | None = None
+    streams_per_call: int | None = None
+    prefetch: int | None = None
     object_store_budget_mb: float | None = None
     autoscale: bool = False
     min_workers: int = 1
@@ -265,8 +292,16 @@ class Config:
             return True
 
         ok = [positive_int(n) for n in ("seq_len", "global_batch_size", "num_streams",
-                                        "packing_bins", "unit_rows", "workers", "chunk_rows",
-                                        "streams_per_call", "prefetch")]
+                                        "packing_bins", "unit_rows", "workers")]
+        ok += [positive_int(n, allow_none=True) for n in AUTO_FIELDS]
+        if self.tokenizer_backend not in TOKENIZER_BACKENDS:
+            problems.append(f"tokenizer_backend={self.tokenizer_backend!r} must be one of "
+                            f"{list(TOKENIZER_BACKENDS)}")
+        elif (self.tokenizer_backend not in ("auto", "tiktoken")
+              and self.tokenizer not in ("cl100k", "cl100k_base")):
+            problems.append(f"tokenizer_backend={self.tokenizer_backend!r} runs the cl100k "
+                            f"vocabulary only (tokenizer={self.tokenizer!r}); use "
+                            f"tokenizer_backend: auto (the fastest exact one) or tiktoken")
         positive_int("num_epochs", allow_none=True)
         if (positive_int("min_workers") and positive_int("max_workers", allow_none=True)
                 and self.max_workers is not None and self.max_workers < self.min_workers):
@@ -311,6 +346,51 @@ class Config:
             raise ConfigError(problems)
         object.__setattr__(self, "sources", tuple(self.sources))
         object.__setattr__(self, "batch_rampup", rampup)
+        self._resolve_runtime()
+
+    def _resolve_runtime(self) -> None:
+        """Fills the runtime knobs left null by the rule in the class docstring; records why."""
+        auto: dict[str, str] = {}
+        if self.prefetch is None:
+            object.__setattr__(self, "prefetch", AUTO_PREFETCH)
+            auto["prefetch"] = "auto: two requests in flight per stream"
+        if self.chunk_rows is None:
+            target = max(1, CHUNK_TOKENS // self.seq_len)
+            budget = (self.object_store_budget_mb if self.object_store_budget_mb is not None
+                      else AUTO_BUDGET_MB)
+            row_bytes = 6 * 4 * self.seq_len
+            fit = int(budget * 2**20 // (self.num_streams * (self.prefetch + 1) * row_bytes))
+            rows = max(1, min(target, fit))
+            why = f"{CHUNK_TOKENS} tokens // seq_len {self.seq_len}"
+            if fit < target:
+                why = (f"{budget:g} MB budget / (num_streams {self.num_streams} x "
+                       f"(prefetch {self.prefetch} + 1) x {row_bytes} bytes a row)")
+            object.__setattr__(self, "chunk_rows", rows)
+            auto["chunk_rows"] = f"auto: {why}"
+        if self.streams_per_call is None:
+            share = -(-self.num_streams // self.workers)
+            object.__setattr__(self, "streams_per_call", share)
+            auto["streams_per_call"] = (f"auto: a worker's share of the streams, num_streams "
+                                        f"{self.num_streams} / workers {self.workers}; the pool "
+                                        f"takes the share of the streams its host owns")
+        object.__setattr__(self, "_auto", auto)
+
+    def is_auto(self, name: str) -> bool:
+        """Whether runtime knob ``name`` was left null and resolved by the rule."""
+        return name in self._auto
+
+    def runtime_choices(self) -> str:
+        """The runtime knobs as resolved, each auto one with its reason (one line)."""
+        return ", ".join(f"{n}={getattr(self, n)}"
+                         + (f" ({self._auto[n]})" if n in self._auto else " (explicit)")
+                         for n in AUTO_FIELDS)
+
+    def log_runtime_choices(self) -> None:
+        """Logs ``runtime_choices`` at INFO, once per process for each distinct line."""
+        line = self.runtime_choices()
+        if line not in _LOGGED:
+            _LOGGED.add(line)
+            log.info("runtime knobs: %s", line)
 
     @property
     def chunk_bytes(self) -> int:
@@ -383,7 +463,10 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> Config:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; runtime knobs resolved by the rule are resolved again
+        (from the new fields) unless ``changes`` sets them."""
+        auto = {n: None for n in self._auto if n not in changes}
+        return dataclasses.replace(self, **auto, **changes)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, base_dir: str | None = None) -> Config:

@@ -61,7 +61,8 @@ def write_demo_corpus(root: str | None = None) -> str:
 
 
 def demo_config(**overrides) -> Config:
-    """The demo job: GPT-2 BPE, rows of 1024 tokens, batches of 32, one epoch.
+    """The demo job: GPT-2 BPE, rows of 1024 tokens, batches of 32, one epoch, one worker per
+    CPU; the runtime knobs are the config's automatic ones, which give these settings:
 
     Chunks of 128 rows (131k tokens, 3 MiB) with two requests in flight per stream: over 3
     epochs on 2 CPUs this fed 8.6 M tokens/s against 6.0 M with 32-row chunks, because Ray's
@@ -69,14 +70,14 @@ def demo_config(**overrides) -> Config:
     its chunk at the same step, so the second request in flight is what keeps a consumer with
     a training step from waiting there (stall 1.4 % against 2.6 % with one, benchmarks/).
     The object store then holds at most 16 streams x 3 chunks = 144 MiB. One call makes the
-    next chunk of all of a worker's streams (``streams_per_call``, capped at a worker's share):
+    next chunk of all of a worker's streams (``streams_per_call``, a worker's share):
     over 3 epochs on 2 CPUs, 13.0 M tokens/s against 10.9 M with a call per chunk, with the
     same chunks, startup and object-store bound, and the host spends 0.16 of a core against
     0.22 (benchmarks/RESULTS.md).
     """
     fields = dict(sources=(SourceConfig(paths=(write_demo_corpus(),), text_column="text"),),
                   tokenizer="gpt2", seq_len=1024, global_batch_size=32, num_streams=16,
-                  packing="concat", num_epochs=1, unit_rows=8, chunk_rows=128,
-                  streams_per_call=16, prefetch=2, workers=max(1, os.cpu_count() or 1))
+                  packing="concat", num_epochs=1, unit_rows=8,
+                  workers=max(1, os.cpu_count() or 1))
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return Config(**fields)

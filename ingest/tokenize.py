@@ -31,6 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ingest.bpe_backend import accelerate
 from ingest.cache import cached_by_files
 
 __all__ = ["Tokenizer", "bos_id_of", "docs_of", "load_tokenizer", "with_bos", "with_eos"]
@@ -398,14 +399,21 @@ def _hf_folder(path: str) -> HFTokenizer:
 
 
 @functools.cache
-def load_tokenizer(spec: str) -> Tokenizer:
-    """Loads a tokenizer by spec (cached per process).
+def load_tokenizer(spec: str, backend: str = "auto") -> Tokenizer:
+    """Loads a tokenizer by spec (cached per process), run by ``backend``: ``auto`` (the
+    fastest library proven to give tiktoken's ids on this vocabulary), ``tiktoken``, or a
+    backend of ``ingest.bpe_backend``. The ids are the same with every backend.
 
     Raises:
       FileNotFoundError: a path that does not exist.
       ValueError: unknown name, or a file that is not a tokenizer (naming the file, and for a
-        ``.tiktoken`` file the line), naming the choices.
+        ``.tiktoken`` file the line), naming the choices; a backend that is unknown, not
+        installed or not proven on ``spec``.
     """
+    return accelerate(_load_tokenizer(spec), spec, backend)
+
+
+def _load_tokenizer(spec: str) -> Tokenizer:
     if spec == "gpt2":
         return _gpt2()
     if spec in ("cl100k", "cl100k_base"):

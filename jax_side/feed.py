@@ -292,7 +292,8 @@ class HostFeed:
         self._partial_seen = False
         config.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
         # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
-        load_tokenizer(config.tokenizer)
+        load_tokenizer(config.tokenizer, config.tokenizer_backend)
+        config.log_runtime_choices()
         self.plan = plan if plan is not None else build_plan(config)
         self._workers = workers if workers is not None else config.workers
         self._device_prefetch = device_prefetch

@@ -543,7 +543,7 @@ def test_tiktoken_encode_docs_joins_documents_and_falls_back(which, tiktoken_fil
     """One call for a unit's documents, joined by the end-of-document token, gives the ids
     of a call per document; a document holding the token's string (text there) and groups
     of bounded size do too."""
-    tok = load_tokenizer(tiktoken_file if which == "tiktoken_file" else which)
+    tok = load_tokenizer(tiktoken_file if which == "tiktoken_file" else which, "tiktoken")
     texts = [*_BOUNDARIES, *ENGLISH[:-1], *reversed(_BOUNDARIES)]
     calls = []
     real = tok._enc._core_bpe

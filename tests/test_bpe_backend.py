@@ -1,0 +1,202 @@
+"""The faster BPE backends give tiktoken's ids exactly, on every vocabulary they are used for
+(a differential test on a large generated adversarial corpus and the standard library's
+sources); a backend whose ids differ is refused at load; and the batches do not depend on the
+backend (real libraries, real files, 8 forced CPU devices)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import random
+import sysconfig
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import make_texts
+
+from ingest import BatchDigest, Config, SourceConfig
+from ingest.bpe_backend import (
+    FASTEST_FIRST,
+    PROVEN,
+    FastBPETokenizer,
+    accelerate,
+    adversarial_texts,
+    load_encoder,
+    self_check,
+)
+from ingest.errors import ConfigError
+from ingest.tokenize import TiktokenTokenizer, load_tokenizer
+from jax_side import HostFeed, batch_sharding
+
+BUNDLED = ("gpt2", "cl100k")
+
+
+def stdlib_texts() -> list[str]:
+    """Every stdlib ``.py`` file that is UTF-8, and random slices of them (cut anywhere)."""
+    files = [f for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/**/*.py",
+                                         recursive=True)) if "site-packages" not in f]
+    texts = []
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                texts.append(fh.read())
+        except (UnicodeDecodeError, OSError):
+            continue
+    rng = random.Random(0)
+    for _ in range(3000):
+        t = rng.choice(texts)
+        a = rng.randrange(len(t) + 1)
+        texts.append(t[a:a + rng.randrange(1, 400)])
+    return texts
+
+
+@pytest.fixture(scope="module")
+def corpus_texts() -> list[str]:
+    texts = adversarial_texts(30_000, seed=0) + stdlib_texts()
+    assert len(texts) > 33_000 and sum(map(len, texts)) > 20_000_000
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tiktoken_ids(corpus_texts):
+    """tiktoken's ids of every corpus text, per vocabulary, computed once when asked."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def ids(vocab: str) -> list[list[int]]:
+        if vocab not in cache:
+            enc = load_tokenizer(vocab, "tiktoken")._enc
+            cache[vocab] = [enc.encode_ordinary(t) for t in corpus_texts]
+        return cache[vocab]
+
+    return ids
+
+
+@pytest.mark.parametrize("vocab", BUNDLED)
+@pytest.mark.parametrize("backend", FASTEST_FIRST)
+def test_backend_ids_equal_tiktoken_wherever_it_is_used(vocab, backend, corpus_texts,
+                                                        tiktoken_ids):
+    reference = load_tokenizer(vocab, "tiktoken")
+    assert isinstance(reference, TiktokenTokenizer)
+    if vocab not in PROVEN[backend]:
+        # Not proven, never used: the vocabulary runs on tiktoken, and the library indeed has
+        # no offline encoding of it.
+        assert isinstance(load_tokenizer(vocab, "auto"), TiktokenTokenizer)
+        with pytest.raises(Exception):  # noqa: B017,PT011 (the library's own error)
+            load_encoder(backend, vocab)
+        return
+    encode = load_encoder(backend, PROVEN[backend][vocab])
+    bad, refused = [], 0
+    for t, want in zip(corpus_texts, tiktoken_ids(vocab), strict=True):
+        try:
+            got = list(encode(t))
+        except ValueError:  # bpe_openai takes under 1M characters (tiktoken encodes those)
+            assert len(t) >= 1_000_000
+            refused += 1
+            continue
+        if got != want:
+            bad.append(t)
+    assert not bad, f"{len(bad)} texts differ, first {bad[0][:80]!r}"
+    assert refused <= 2
+    # The tokenizer the feed uses, both calls, against tiktoken's own.
+    fast = load_tokenizer(vocab, backend)
+    assert isinstance(fast, FastBPETokenizer) and fast.backend == backend
+    sample = corpus_texts[::7]
+    want_tokens, want_eos = reference.encode_docs(sample)
+    got_tokens, got_eos = fast.encode_docs(sample)
+    assert got_tokens.dtype == np.int32 and np.array_equal(got_tokens, want_tokens)
+    assert np.array_equal(got_eos, want_eos)
+    for got, want in zip(fast.encode_batch(sample[:500]), reference.encode_batch(sample[:500]),
+                         strict=True):
+        assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert (fast.eos_id, fast.vocab_size, fast.name) == (reference.eos_id,
+                                                         reference.vocab_size, reference.name)
+
+
+def test_auto_is_the_fastest_proven_backend_and_tiktoken_is_tiktoken():
+    assert load_tokenizer("cl100k").backend == FASTEST_FIRST[0]
+    assert isinstance(load_tokenizer("cl100k", "tiktoken"), TiktokenTokenizer)
+    assert isinstance(load_tokenizer("gpt2"), TiktokenTokenizer)
+
+
+def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
+    reference = load_tokenizer("cl100k", "tiktoken")
+    # A real library with a real but different vocabulary (o200k) posing as cl100k.
+    monkeypatch.setitem(PROVEN, "rs_bpe", {"cl100k": "o200k_base"})
+    assert self_check(reference, load_encoder("rs_bpe", "o200k_base")) is not None
+    with caplog.at_level(logging.WARNING, logger="ingest.tokenize"):
+        tok = accelerate(reference, "cl100k", "rs_bpe")
+    assert tok is reference
+    assert any("differ from tiktoken's" in r.getMessage() and "rs_bpe" in r.getMessage()
+               for r in caplog.records)
+    # auto goes on to the next backend that passes.
+    assert accelerate(reference, "cl100k", "auto").backend == "bpe_openai"
+
+
+def test_documents_a_backend_cannot_take_go_to_tiktoken():
+    reference = load_tokenizer("cl100k", "tiktoken")
+    fast = FastBPETokenizer(reference, "bpe_openai", load_encoder("bpe_openai",
+                                                                   "cl100k_base"))
+    long = "x" * 1_500_000 + " tail"  # past bpe_openai's input limit
+    assert np.array_equal(fast.encode_batch([long])[0], reference.encode_batch([long])[0])
+    assert fast.fallbacks == 1
+    # A lone surrogate: the same error as tiktoken's (it is not text the feed can hold).
+    with pytest.raises(UnicodeEncodeError):
+        reference.encode_batch(["a\ud800b"])
+    with pytest.raises(UnicodeEncodeError):
+        load_tokenizer("cl100k", "rs_bpe").encode_batch(["a\ud800b"])
+
+
+def test_named_backends_are_checked():
+    with pytest.raises(ValueError, match=r"proven on tokenizer \['cl100k', 'cl100k_base'\]"):
+        load_tokenizer("gpt2", "rs_bpe")
+    with pytest.raises(ValueError, match=r"tokenizer_backend='nope' is unknown"):
+        load_tokenizer("cl100k", "nope")
+    with pytest.raises(ConfigError, match=r"tokenizer_backend='rs_bpe' runs the cl100k"):
+        Config(sources=(SourceConfig(paths=("x",)),), tokenizer="gpt2",
+               tokenizer_backend="rs_bpe")
+
+
+# -- the batches do not depend on the backend -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("backend_corpus")
+    weird = [t for t in adversarial_texts(400, seed=5) if t.strip()][:240]
+    paths = []
+    for i in range(4):
+        texts = make_texts(40, seed=70 + i, max_words=50) + weird[i::4]
+        path = d / f"part-{i}.parquet"
+        pq.write_table(pa.table({"text": texts}), str(path), row_group_size=20)
+        paths.append(str(path))
+    return paths
+
+
+def run_digest(corpus, backend: str, feed_backend: str) -> tuple[str, int]:
+    cfg = Config(sources=(SourceConfig(paths=tuple(corpus)),), tokenizer="cl100k", seq_len=64,
+                 global_batch_size=16, num_streams=8, unit_rows=10, seed=4, chunk_rows=8,
+                 tokenizer_backend=backend)
+    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+    d = BatchDigest()
+    with HostFeed(cfg, sharding=sharding, backend=feed_backend, get_timeout_s=60) as feed:
+        for batch in feed:
+            d.update({k: np.asarray(v) for k, v in batch.items()})
+    return d.hexdigest(), d.steps
+
+
+@pytest.mark.multidevice
+def test_digest_is_the_same_on_every_backend(corpus):
+    want, steps = run_digest(corpus, "tiktoken", "local")
+    assert steps >= 5
+    for backend in FASTEST_FIRST:
+        assert load_tokenizer("cl100k", backend).backend == backend  # what the stream loads
+        assert run_digest(corpus, backend, "local") == (want, steps), backend
+
+
+@pytest.mark.ray
+@pytest.mark.multidevice
+def test_digest_on_ray_with_auto_equals_tiktoken_locally(ray_cluster, corpus):
+    assert run_digest(corpus, "auto", "ray") == run_digest(corpus, "tiktoken", "local")

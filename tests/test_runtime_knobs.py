@@ -1,0 +1,232 @@
+"""Runtime knobs left null (chunk_rows, streams_per_call, prefetch) resolve by a fixed rule from
+seq_len, num_streams, workers and object_store_budget_mb; explicit values win; and neither the
+batches nor a checkpoint's fingerprint depend on them (local and Ray backends, real files,
+real tokenizer, 8 forced CPU devices)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import make_texts
+
+from ingest import BatchDigest, Config, SourceConfig
+from ingest.config import AUTO_BUDGET_MB, CHUNK_TOKENS, load_config
+from ingest.demo import demo_config
+from ingest.errors import ConfigError
+from jax_side import HostFeed, batch_sharding
+
+DEADLINE_S = 120.0
+OLD_DEFAULTS = {"chunk_rows": 16, "streams_per_call": 1, "prefetch": 2}
+
+
+def cfg(**kw) -> Config:
+    return Config(sources=(SourceConfig(paths=("corpus/x.parquet",)),), **kw)
+
+
+def rule(seq_len: int, num_streams: int, workers: int, budget_mb: float | None,
+         prefetch: int = 2) -> tuple[int, int, int]:
+    """The documented rule, written out independently of the config's code."""
+    row_bytes = 24 * seq_len
+    budget = (budget_mb if budget_mb is not None else AUTO_BUDGET_MB) * 2**20
+    rows = min(CHUNK_TOKENS // seq_len, math.floor(budget / (num_streams * (prefetch + 1)
+                                                             * row_bytes)))
+    return max(1, rows), math.ceil(num_streams / workers), prefetch
+
+
+@pytest.mark.parametrize(("seq_len", "num_streams", "workers", "budget_mb"), [
+    (1024, 8, 2, None),      # the measured case: 128 rows, 4 streams a call
+    (4096, 8, 4, None),      # longer rows: fewer of them (32)
+    (64, 4, 3, None),        # short rows: 2048 rows; share rounded up (2)
+    (200_000, 8, 2, None),   # rows longer than the token target: one row
+    (4096, 256, 2, None),    # many streams: the default budget bounds the chunk (14 rows)
+    (1024, 8, 2, 24),        # an explicit budget bounds it (8 x 3 x 24 KiB a row: 42 rows)
+    (1024, 16, 16, 4096),    # a budget above what the target needs: 128 rows, 1 a call
+])
+def test_auto_knobs_follow_the_rule(seq_len, num_streams, workers, budget_mb):
+    c = cfg(seq_len=seq_len, num_streams=num_streams, global_batch_size=num_streams * 2,
+            workers=workers, object_store_budget_mb=budget_mb)
+    want = rule(seq_len, num_streams, workers, budget_mb)
+    assert (c.chunk_rows, c.streams_per_call, c.prefetch) == want
+    assert all(c.is_auto(n) for n in OLD_DEFAULTS)
+    # The resolved chunks fit the budget the rule used, with the requests it keeps in flight.
+    bound = num_streams * (c.requests_in_flight(num_streams) + 1) * c.chunk_bytes
+    assert c.chunk_rows == 1 or bound <= (budget_mb or AUTO_BUDGET_MB) * 2**20
+    assert f"chunk_rows={want[0]} (auto: " in c.runtime_choices()
+
+
+def test_measured_setting_is_the_default():
+    c = cfg()  # seq_len 1024, batch 32, 8 streams, 2 workers
+    assert (c.chunk_rows, c.streams_per_call, c.prefetch) == (128, 4, 2)
+
+
+def test_demo_uses_the_automatic_knobs_which_match_its_measured_settings():
+    demo = demo_config(workers=2)
+    assert all(demo.is_auto(n) for n in OLD_DEFAULTS)
+    # The settings the demo was measured with: 128-row chunks, 2 in flight, and every stream
+    # of a worker in one call (16 streams a call, capped at a worker's share, 8).
+    assert (demo.chunk_rows, demo.prefetch, min(16, demo.num_streams // 2)) == (128, 2, 8)
+    assert demo.streams_per_call == demo.num_streams // 2
+
+
+def test_explicit_values_win_and_survive_replace():
+    c = cfg(chunk_rows=16, streams_per_call=1, prefetch=3, seq_len=4096)
+    assert (c.chunk_rows, c.streams_per_call, c.prefetch) == (16, 1, 3)
+    assert not any(c.is_auto(n) for n in OLD_DEFAULTS)
+    assert "chunk_rows=16 (explicit)" in c.runtime_choices()
+    r = c.replace(seq_len=64, workers=4)
+    assert (r.chunk_rows, r.streams_per_call, r.prefetch) == (16, 1, 3)
+    # Auto values follow the fields they come from through replace; a value set there wins.
+    a = cfg().replace(seq_len=2048, workers=8)
+    assert (a.chunk_rows, a.streams_per_call) == (64, 1) and a.is_auto("chunk_rows")
+    b = cfg().replace(chunk_rows=5)
+    assert b.chunk_rows == 5 and not b.is_auto("chunk_rows") and b.is_auto("prefetch")
+
+
+def test_yaml_null_and_absent_are_auto_and_bad_values_are_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("sources: [{paths: [x.parquet]}]\nchunk_rows: null\nstreams_per_call: 2\n")
+    c = load_config(str(p))
+    assert c.is_auto("chunk_rows") and c.chunk_rows == 128 and c.is_auto("prefetch")
+    assert c.streams_per_call == 2 and not c.is_auto("streams_per_call")
+    with pytest.raises(ConfigError, match=r"chunk_rows=0 must be a positive integer or null"):
+        cfg(chunk_rows=0)
+    with pytest.raises(ConfigError, match=r"tokenizer_backend='fast'.*\['auto', 'tiktoken'"):
+        cfg(tokenizer_backend="fast")
+
+
+def test_runtime_knobs_stay_out_of_the_fingerprint():
+    auto = cfg()
+    # The fingerprint this config has always had (checkpoints saved with it must restore).
+    assert auto.fingerprint() == "80884b329813271d"
+    for changes in (OLD_DEFAULTS, {"chunk_rows": 7, "streams_per_call": 3, "prefetch": 5},
+                    {"tokenizer_backend": "tiktoken"}, {"workers": 5}):
+        other = auto.replace(**changes)
+        assert other.fingerprint() == auto.fingerprint()
+        assert other.output_fields() == auto.output_fields()
+    assert not {"chunk_rows", "streams_per_call", "prefetch", "tokenizer_backend"} & set(
+        auto.output_fields())
+    assert auto.replace(seq_len=512).fingerprint() != auto.fingerprint()  # it can fail
+
+
+def test_runtime_choices_are_logged_once(caplog):
+    c = cfg(seq_len=333)  # a line no other test logs
+    with caplog.at_level(logging.INFO, logger="ingest.config"):
+        c.log_runtime_choices()
+        c.replace(seed=9).log_runtime_choices()
+    lines = [r.getMessage() for r in caplog.records if r.name == "ingest.config"]
+    assert len(lines) == 1
+    assert "chunk_rows=393 (auto: 131072 tokens // seq_len 333)" in lines[0]
+
+
+# -- the batches do not depend on the knobs -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("knobs_corpus")
+    paths = []
+    for i in range(4):
+        path = d / f"part-{i}.parquet"
+        pq.write_table(pa.table({"text": make_texts(60, seed=40 + i, max_words=60)}), str(path),
+                       row_group_size=20)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def sharding():
+    assert len(jax.devices()) == 8
+    return batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+
+
+def small(corpus, **kw) -> Config:
+    fields = {"seq_len": 32, "global_batch_size": 16, "num_streams": 8, "unit_rows": 10,
+              "seed": 3, "workers": 2, **kw}
+    return Config(sources=(SourceConfig(paths=tuple(corpus)),), **fields)
+
+
+def drain(feed: HostFeed, max_steps: int | None = None) -> list[dict[str, np.ndarray]]:
+    out: queue.Queue = queue.Queue()
+
+    def consume():
+        try:
+            batches = []
+            for b in feed:
+                batches.append({k: np.asarray(v) for k, v in b.items()})
+                if max_steps is not None and len(batches) >= max_steps:
+                    break
+            out.put(("ok", batches))
+        except BaseException as e:  # noqa: BLE001 -- handed to the test thread
+            out.put(("error", e))
+
+    threading.Thread(target=consume, daemon=True).start()
+    try:
+        kind, value = out.get(timeout=DEADLINE_S)
+    except queue.Empty:
+        pytest.fail(f"the feed did not finish within {DEADLINE_S:.0f} s")
+    if kind == "error":
+        raise value
+    return value
+
+
+def digest(batches) -> str:
+    d = BatchDigest()
+    for b in batches:
+        d.update(b)
+    return d.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def old_reference(corpus, sharding):
+    c = small(corpus, **OLD_DEFAULTS)
+    with HostFeed(c, sharding=sharding, backend="local") as feed:
+        batches = drain(feed)
+    assert len(batches) >= 5
+    return batches
+
+
+@pytest.mark.multidevice
+def test_local_digest_auto_equals_the_old_explicit_settings(corpus, sharding, old_reference):
+    auto = small(corpus)
+    assert auto.chunk_rows == 4096 and auto.streams_per_call == 4
+    with HostFeed(auto, sharding=sharding, backend="local") as feed:
+        assert digest(drain(feed)) == digest(old_reference)
+
+
+@pytest.mark.ray
+@pytest.mark.multidevice
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ray_digest_auto_equals_the_old_explicit_settings(ray_cluster, corpus, sharding,
+                                                          old_reference, workers):
+    auto = small(corpus, workers=workers)
+    with HostFeed(auto, sharding=sharding, backend="ray", get_timeout_s=60) as feed:
+        batches = drain(feed)
+        pool = feed._source
+        chunks = pool.chunks_received
+    assert digest(batches) == digest(old_reference)
+    # One call makes the chunks of a worker's share of the streams (8 // workers).
+    assert {len(g) for g in pool._group.values()} == {8 // workers}
+    assert chunks >= 8
+
+
+@pytest.mark.multidevice
+def test_checkpoint_of_old_settings_restores_under_auto(corpus, sharding, old_reference):
+    old = small(corpus, **OLD_DEFAULTS)
+    with HostFeed(old, sharding=sharding, backend="local") as feed:
+        drain(feed, max_steps=2)
+        state = json.loads(json.dumps(feed.get_state()))
+    auto = small(corpus)
+    assert state["config_fingerprint"] == auto.fingerprint()
+    with HostFeed(auto, sharding=sharding, backend="local") as feed:
+        feed.set_state(state)
+        rest = drain(feed)
+    assert digest(rest) == digest(old_reference[2:])
