@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,cpu]' && $(BIN)/python -m pip install -q --no-deps 'lm-eval>=0.4.13,<0.5'
 	touch $(STAMP)
 
 demo: $(STAMP)

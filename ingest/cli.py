@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "must not change)")
     h = r.add_argument_group(
         "many JAX hosts", "On a cluster, run the same command on every host with --coordinator, "
-        "--num-hosts and --host-id (or let JAX detect a SLURM / Open MPI / "
-        "JAX_COORDINATOR_ADDRESS environment). --hosts N tries it on one machine.")
+        "--num-hosts and --host-id, or without them where jax.distributed.initialize() detects "
+        "the cluster (Cloud TPU, Kubernetes, SLURM, Open MPI). --hosts N tries it on one "
+        "machine.")
     h.add_argument("--coordinator", metavar="ADDR",
                    help="host:port of process 0's JAX coordination service")
     h.add_argument("--num-hosts", type=int, metavar="N", help="JAX processes in the run")

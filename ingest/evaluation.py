@@ -71,9 +71,10 @@ class Document:
 @dataclasses.dataclass(frozen=True)
 class LoglikelihoodPair:
     """Scores ``continuation`` given ``prefix`` (lm-eval-harness ``loglikelihood``): trailing
-    whitespace of the prefix moves to the continuation, ``tokens(prefix + continuation)`` is
-    split after ``len(tokens(prefix))`` tokens, an empty prefix becomes ``[eos]``, and the loss
-    covers the continuation's tokens only."""
+    whitespace of the prefix moves to the continuation; the inputs are ``tokens(prefix)``
+    (encoded alone) followed by ``tokens(prefix + continuation)`` past its first
+    ``len(tokens(prefix))`` tokens, cut from the left to ``seq_len + 1`` tokens; an empty
+    prefix becomes ``[eos]``. The loss covers the continuation's tokens only."""
 
     prefix: str
     continuation: str
@@ -204,7 +205,18 @@ def rolling_windows(tokens: np.ndarray, *, prefix_id: int, seq_len: int,
 
 def _encode_pairs(tok: Tokenizer, pairs: list[LoglikelihoodPair]) -> list[tuple[np.ndarray,
                                                                                 np.ndarray]]:
-    """lm-eval-harness's ``_encode_pair``: (prefix ids, continuation ids)."""
+    """lm-eval-harness's tokenization for ``loglikelihood`` (``TemplateLM.loglikelihood`` and
+    its causal ``_encode_pair``): (prefix ids, continuation ids), the model's input being
+    their concatenation::
+
+        prefix "The answer is ", continuation "yes"
+        move trailing whitespace   "The answer is" + " yes"
+        prefix ids                 tokens("The answer is")             encoded alone
+        continuation ids           tokens("The answer is yes")[len(prefix ids):]
+
+    An empty prefix is ``[eos]`` before ``tokens(continuation)``, or the continuation's first
+    token when that already is ``eos``.
+    """
     prefixes, wholes = [], []
     for p in pairs:
         prefix, continuation = p.prefix, p.continuation
@@ -219,10 +231,12 @@ def _encode_pairs(tok: Tokenizer, pairs: list[LoglikelihoodPair]) -> list[tuple[
     eos = np.array([tok.eos_id], np.int32)
     out = []
     for prefix, pid, wid in zip(prefixes, prefix_ids, whole_ids, strict=True):
-        if not prefix:
-            out.append((eos, wid))
+        if prefix:
+            out.append((np.asarray(pid, np.int32), wid[len(pid):]))
+        elif len(wid) and wid[0] == tok.eos_id:
+            out.append((wid[:1], wid[1:]))
         else:
-            out.append((wid[:len(pid)], wid[len(pid):]))
+            out.append((eos, wid))
     return out
 
 
@@ -239,6 +253,11 @@ def _check_requests(requests: Sequence[Any]) -> None:
                 problems.append(f"requests[{i}]: prefix and continuation must be str")
             elif not r.continuation:
                 problems.append(f"requests[{i}]: empty continuation (nothing to score)")
+            elif r.prefix and not r.prefix.strip():
+                # lm-eval-harness moves it onto the continuation and scores after no token.
+                problems.append(f"requests[{i}]: the prefix is whitespace only; give prefix "
+                                f"'' (scored after eos) or put the whitespace in the "
+                                f"continuation")
         elif not isinstance(r.text, str):
             problems.append(f"requests[{i}]: text must be str, got {type(r.text).__name__}")
         elif not r.text:

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,8 @@ def build_plan(config: Config) -> UnitPlan:
         files.append(info)
         file_source.append(si)
 
-    units = _cut_units(files, file_source, config.unit_rows)
+    cut = _unit_rows_for_streams(files, file_source, config)
+    units = _cut_units(files, file_source, cut)
     if not len(units):
         srcs = ", ".join(str(list(s.paths)) for s in config.sources)
         raise ValueError(f"the corpus is empty: sources {srcs} hold no rows"
@@ -115,15 +117,20 @@ def build_plan(config: Config) -> UnitPlan:
             raise ValueError(
                 "in a mixture every source's units are dealt to all num_streams="
                 f"{config.num_streams} streams, but " + ", ".join(
-                    f"sources[{si}] has {n} unit(s)" for si, n in short)
-                + f"; lower unit_rows (now {config.unit_rows}) or num_streams, or add data")
+                    f"sources[{si}] has {n} unit(s) of "
+                    f"{int(units.num_rows[units.source == si].sum())} row(s)" for si, n in short)
+                + "; a source needs at least num_streams rows (units are cut down to one row "
+                "each to fit). Lower num_streams, or add data")
     if len(units) < config.num_streams:
         raise ValueError(
-            f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: some streams "
-            f"would get no data. Lower unit_rows (now {config.unit_rows}; the corpus has "
-            f"{int(units.num_rows.sum())} rows) or num_streams, or add data.")
-    _report_large_groups(files, config.unit_rows, config.deal)
-    rest = ([[s.text_column for s in config.sources]] + [config.unit_rows]
+            f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: the corpus "
+            f"has {int(units.num_rows.sum())} row(s), fewer than the streams even in units of "
+            f"one row, so some streams would get no data. Lower num_streams, or add data.")
+    _report_large_groups(files, min(cut.values(), default=config.unit_rows), config.deal)
+    cut_rows: Any = config.unit_rows
+    if any(r != config.unit_rows for r in cut.values()):
+        cut_rows = [config.unit_rows, [cut.get(si) for si in range(len(config.sources))]]
+    rest = ([[s.text_column for s in config.sources]] + [cut_rows]
             + ([[s.tokens_column for s in config.sources]]
                if any(s.tokens_column for s in config.sources) else []))
 
@@ -150,16 +157,65 @@ def _relative_paths(files: list[FileInfo], file_source: list[int]) -> list[str]:
     return [f"{si}:{f.path[len(roots[si]):]}" for f, si in zip(files, file_source, strict=True)]
 
 
-def _cut_units(files: list[FileInfo], file_source: list[int], unit_rows: int) -> Units:
+def _units_per_group(rows: np.ndarray, unit_rows: int) -> int:
+    """How many units row groups of ``rows`` rows give, cut into at most ``unit_rows`` each."""
+    return int((-(-rows // unit_rows)).sum())
+
+
+def _unit_rows_for_streams(files: list[FileInfo], file_source: list[int],
+                           config: Config) -> dict[int, int]:
+    """Each source's unit size: ``unit_rows``, or the largest smaller size that gives the
+    streams a unit each where ``unit_rows`` gives fewer units than ``num_streams`` (every
+    source of a mixture; all files of a single source). A function of the files' row counts
+    only, so the plan (and every batch) stays a pure function of config and corpus::
+
+        one file, row groups of 300 and 200 rows, unit_rows=256, num_streams=8
+        unit_rows 256 -> 2 + 1 = 3 units < 8;  the largest size giving >= 8: 74 -> 5 + 3 = 8
+
+    A source with fewer rows than ``num_streams`` keeps ``unit_rows`` (the plan then fails,
+    saying so).
+    """
+    rows_of: dict[int, list[np.ndarray]] = {}
+    for info, si in zip(files, file_source, strict=True):
+        rows_of.setdefault(si, []).append(np.asarray(info.row_groups, np.int64))
+    out = {}
+    for si, parts in sorted(rows_of.items()):
+        rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        rows = rows[rows > 0]
+        size = config.unit_rows
+        if (_units_per_group(rows, size) < config.num_streams
+                and int(rows.sum()) >= config.num_streams):
+            lo, hi = 1, size - 1  # units(1) = rows >= num_streams; find the largest size that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _units_per_group(rows, mid) >= config.num_streams:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            where = "the corpus" if len(config.sources) == 1 else f"sources[{si}]"
+            log.warning("%s has %d unit(s) of unit_rows=%d for num_streams=%d (%d rows): cutting "
+                        "it into units of at most %d rows (%d units), so that every stream gets "
+                        "data. Set unit_rows <= %d to choose this yourself.", where,
+                        _units_per_group(rows, size), size, config.num_streams, int(rows.sum()),
+                        lo, _units_per_group(rows, lo), lo)
+            size = lo
+        out[si] = size
+    return out
+
+
+def _cut_units(files: list[FileInfo], file_source: list[int],
+               unit_rows: int | dict[int, int]) -> Units:
     """Every row group of ``n`` rows cut into ``ceil(n / unit_rows)`` near-equal units, in file
-    and group order; a unit's bytes are its share of its group's, at least 1."""
+    and group order; a unit's bytes are its share of its group's, at least 1. ``unit_rows``
+    may differ per source (a dict by source index)."""
     source, file, group, start, end, nbytes = [], [], [], [], [], []
     for fi, info in enumerate(files):
         rows = np.asarray(info.row_groups, np.int64)
         if not len(rows):
             continue
         group_bytes = np.asarray(info.group_bytes, np.int64)
-        parts = -(-rows // unit_rows)
+        size = unit_rows if isinstance(unit_rows, int) else unit_rows[file_source[fi]]
+        parts = -(-rows // size)
         gs = np.repeat(np.arange(len(rows)), parts)
         # Part j of a group of n rows in p parts starts at round(j * n / p) (np.linspace's
         # points, rounded half to even), so the bounds are the same as cutting each group alone.

@@ -2,9 +2,11 @@
 
 import importlib
 
-__all__ = ["EvalFeed", "HostFeed", "HostRows", "LocalSource", "batch_sharding", "host_rows"]
+__all__ = ["EvalFeed", "FeedIterator", "HostFeed", "HostRows", "LocalSource", "batch_sharding",
+           "host_rows"]
 
-_WHERE = {"EvalFeed": "eval_feed", "HostFeed": "feed", "LocalSource": "feed",
+_WHERE = {"EvalFeed": "eval_feed", "FeedIterator": "grain_iter", "HostFeed": "feed",
+          "LocalSource": "feed",
           "HostRows": "sharding", "batch_sharding": "sharding", "host_rows": "sharding"}
 
 

@@ -57,9 +57,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jax_side.private_api import cluster_types
+
 __all__ = [
     "EndAgreement", "PeerError", "allgather", "allgather_json", "combine_stats",
-    "global_batch", "initialize", "launch_local_hosts", "leave",
+    "detected_cluster", "global_batch", "initialize", "launch_local_hosts", "leave",
 ]
 
 log = logging.getLogger("ingest.multihost")
@@ -180,23 +182,45 @@ class EndAgreement:
 # -- joining the processes (ingest run --coordinator ... / a cluster environment) -------------
 
 
-def _cluster_env() -> str | None:
-    """The scheduler variable that shows a multi-process launch JAX can read, if any: JAX's own
-    coordinator variable, SLURM under ``srun`` with several tasks, or Open MPI's ``mpirun``."""
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        return "JAX_COORDINATOR_ADDRESS"
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
-        return "SLURM_NTASKS"
-    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
-        return "OMPI_COMM_WORLD_SIZE"
+def detected_cluster() -> tuple[str, int | None] | None:
+    """The cluster environment ``jax.distributed.initialize()`` would detect here, through
+    JAX's own cluster classes (Cloud TPU, Kubernetes, SLURM, Open MPI, ...; not the opt-in
+    mpi4py), and its process count (None if the environment cannot tell it without joining);
+    None when there is none."""
+    try:
+        kinds = cluster_types()
+    except (ImportError, AttributeError) as e:
+        log.warning("cannot list JAX's cluster environments (%s); without --coordinator the "
+                    "processes join only when jax.distributed.initialize() finds one", e)
+        return None
+    for kind in kinds:
+        if kind.opt_in_only_method:
+            continue
+        try:
+            if not kind.is_env_present():
+                continue
+        except Exception as e:  # noqa: BLE001 -- a probe that fails means "not here"
+            log.debug("JAX cluster probe %s failed: %s", kind.__name__, e)
+            continue
+        try:
+            count: int | None = int(kind.get_process_count())
+        except Exception as e:  # noqa: BLE001 -- jax.distributed.initialize() will say why
+            log.debug("%s cannot tell the process count before joining: %s", kind.__name__, e)
+            count = None
+        return kind.__name__, count
     return None
 
 
 def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | None) -> None:
     """Joins this process to the others with ``jax.distributed.initialize``, before anything
-    touches a JAX device: with the three values from the command line, else through JAX's own
-    detection when a cluster environment shows several processes; else does nothing."""
+    touches a JAX device: with the three values from the command line, else with no arguments
+    (JAX's own cluster detection) when JAX detects a cluster environment of several
+    processes; else does nothing.
+
+    Raises:
+      RuntimeError: a cluster environment was detected but joining failed (naming it), or
+        ``JAX_COORDINATOR_ADDRESS`` is set where no environment gives the process count and id.
+    """
     if jax.distributed.is_initialized():
         return
     if coordinator is not None:
@@ -205,11 +229,29 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_hosts,
                                    process_id=host_id)
         return
-    found = _cluster_env()
-    if found is not None:
-        log.info("cluster environment found (%s): jax.distributed.initialize() detects the "
-                 "processes", found)
+    found = detected_cluster()
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if found is None:
+        if address:
+            raise RuntimeError(
+                f"JAX_COORDINATOR_ADDRESS={address} is set, but no cluster environment JAX "
+                f"detects (Cloud TPU, Kubernetes, SLURM, Open MPI) gives this process's count "
+                f"and id. Start the processes under one of them, or pass --coordinator "
+                f"{address} --num-hosts N --host-id I")
+        return
+    name, count = found
+    if count is not None and count <= 1:
+        log.info("cluster environment %s shows one process: running as a single host", name)
+        return
+    log.info("cluster environment %s (%s processes): joining through "
+             "jax.distributed.initialize()", name, count if count is not None else "?")
+    try:
         jax.distributed.initialize()
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise RuntimeError(
+            f"jax.distributed.initialize() failed in the cluster environment {name} that JAX "
+            f"detected: {e}. Fix the environment, or pass --coordinator HOST:PORT --num-hosts N "
+            f"--host-id I") from e
 
 
 def leave(code: int) -> None:

@@ -1,4 +1,4 @@
-"""The one place the feed uses a private JAX API, with the public API as its fallback.
+"""The one place the feed uses private JAX APIs, each with a fallback.
 
 ``put_arrays`` puts host arrays on a sharding through ``jax._src.interpreters.pxla.shard_args``,
 the batched host-to-device transfer that ``jax.device_put`` ends in. For the six numpy fields
@@ -11,6 +11,10 @@ shards and values.
 
 When this JAX lacks the private function, or its signature differs (a ``TypeError`` on the
 first call), ``put_arrays`` uses ``jax.device_put`` from then on.
+
+``cluster_types`` lists the cluster environments ``jax.distributed.initialize()`` probes
+(``jax._src.clusters``), so that ``ingest run`` can tell whether it runs in one before joining;
+without them it joins only when given ``--coordinator`` or when JAX finds one itself.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-__all__ = ["batched_transfer", "put_arrays"]
+__all__ = ["batched_transfer", "cluster_types", "put_arrays"]
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +68,15 @@ def put_arrays(arrays: Sequence[np.ndarray], sharding: Sharding) -> list[jax.Arr
             log.warning("jax's pxla.shard_args failed (%s); using jax.device_put", e)
             _shard_args = None
     return jax.device_put(list(arrays), sharding)
+
+
+def cluster_types() -> list[type]:
+    """The cluster environment classes ``jax.distributed.initialize()`` probes (Cloud TPU,
+    Kubernetes, SLURM, Open MPI, ...), in its order.
+
+    Raises:
+      ImportError, AttributeError: this JAX keeps them elsewhere.
+    """
+    from jax._src import clusters  # noqa: PLC0415
+
+    return list(clusters.ClusterEnv._cluster_types)

@@ -124,7 +124,7 @@ def lm_eval_pair(prefix: str, continuation: str) -> tuple[list[int], list[int]]:
     if not prefix:
         return [EOS], encode(continuation)
     whole, ctx = encode(prefix + continuation), encode(prefix)
-    return whole[:len(ctx)], whole[len(ctx):]
+    return ctx, whole[len(ctx):]
 
 
 def rows_of(batches: list[dict[str, np.ndarray]]):

@@ -157,8 +157,8 @@ def test_weights_changed_on_resume_keep_every_position(tmp_path):
 
 
 def test_a_source_with_too_few_units_for_the_streams_is_refused(tmp_path):
-    paths = _corpora(tmp_path, ((4, 24, 8), (1, 4, 4)))
-    with pytest.raises(ValueError, match=r"sources\[1\] has 1 unit"):
+    paths = _corpora(tmp_path, ((4, 24, 8), (1, 1, 1)))  # one document for two streams
+    with pytest.raises(ValueError, match=r"sources\[1\] has 1 unit\(s\) of 1 row"):
         build_plan(_config(paths, (1.0, 1.0), num_streams=2))
 
 

@@ -467,23 +467,78 @@ def test_one_process_agreement_follows_the_claims():
     assert not end.continues(4, 3) and end.syncs == 2
 
 
+_SCHEDULER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                   "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
+                   "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT")
+
+
+def slurm_env(process: int, processes: int) -> dict[str, str]:
+    """What ``srun`` sets for one task, on this machine."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_NTASKS": str(processes), "SLURM_PROCID": str(process),
+            "SLURM_LOCALID": str(process)}
+
+
 @pytest.mark.parametrize("env, found", [
     ({}, None),
-    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # one task: nothing to join
-    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, "SLURM_NTASKS"),
-    ({"SLURM_NTASKS": "4"}, None),  # inside an allocation but not started by srun
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE"),
-    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:7777"}, "JAX_COORDINATOR_ADDRESS"),
+    (slurm_env(2, 4), ("SlurmCluster", 4)),
+    (slurm_env(0, 1), ("SlurmCluster", 1)),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, None),  # not the set JAX reads
 ])
-def test_cluster_environment_is_detected_only_for_several_processes(monkeypatch, env, found):
-    from jax_side.multihost import _cluster_env
+def test_cluster_environments_are_the_ones_jax_detects(monkeypatch, env, found):
+    from jax_side.multihost import detected_cluster
 
-    for name in ("SLURM_NTASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE",
-                 "JAX_COORDINATOR_ADDRESS"):
+    for name in _SCHEDULER_VARS:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert _cluster_env() == found
+    assert detected_cluster() == found
+
+
+def test_a_coordinator_address_alone_is_refused_before_joining(monkeypatch):
+    from jax_side import multihost
+
+    for name in _SCHEDULER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(RuntimeError, match="JAX_COORDINATOR_ADDRESS=127.0.0.1:1 is set, but no "
+                                           "cluster environment"):
+        multihost.initialize(None, None, None)
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_cli_hosts_join_through_the_cluster_environment_jax_detects(corpora, tmp_path):
+    """Two ``ingest run CONFIG`` processes without --coordinator, started as srun starts
+    tasks (the coordinator on 127.0.0.1), give the one-process run's batches."""
+    config = write_config(tmp_path, corpora["host_1_ends_first"], 5)
+    common = ["run", str(config), "--backend", "local", "--digest", "--json", "--no-progress"]
+    one = run_cli(common)  # this process's environment: 8 forced CPU devices
+    assert one.returncode == 0, one.stderr[-3000:]
+    single = json.loads(one.stdout.strip().splitlines()[-1])
+    port = free_port()
+    procs = []
+    for i in range(HOSTS):
+        env = {k: v for k, v in child_env().items() if k not in _SCHEDULER_VARS}
+        env.update(slurm_env(i, HOSTS), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+        with open(tmp_path / f"err{i}.txt", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jax_side.run", *common], cwd=ROOT, env=env,
+                stdout=subprocess.PIPE, stderr=err, text=True))
+    try:
+        codes = finish(procs, tmp_path, CHILD_TIMEOUT_S)
+        outs = [p.stdout.read() for p in procs]
+    finally:
+        stop_all(procs)
+    assert codes == [0, 0], [stderr_of(tmp_path, i)[-3000:] for i in range(HOSTS)]
+    assert "cluster environment SlurmCluster (2 processes)" in stderr_of(tmp_path, 1)
+    lines = [line for out in outs for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, f"expected one summary, got {outs}"
+    multi = json.loads(lines[0])
+    assert multi["hosts"] == 2 and multi["streams"] == 4
+    for key in ("digest", "steps", "tokens", "padding_rows", "documents"):
+        assert multi[key] == single[key], f"{key}: 2 hosts {multi[key]}, 1 host {single[key]}"
 
 
 # -- one JAX process of a test -----------------------------------------------------------------
