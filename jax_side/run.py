@@ -7,6 +7,7 @@ devices, digests hash the gathered global batches, and process 0 prints one summ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,13 @@ from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
+from jax_side.ray_cluster import (
+    ClusterUnreachableError,
+    Interrupted,
+    RayStarter,
+    exit_on_signals,
+    start_ray,
+)
 
 __all__ = ["main", "run_command", "start_ray"]
 
@@ -45,86 +52,6 @@ def _process_start_time() -> float:
 
 
 _IMPORTED_AT = time.time()
-
-
-def start_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Connects to ``address`` (or $RAY_ADDRESS), else starts a local cluster on loopback."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    cpus = os.cpu_count() or 1
-    if num_cpus is not None and num_cpus > cpus:
-        # Each worker takes one CPU: a worker with none would never start.
-        log.warning("%d workers on %d CPUs: the local Ray cluster gets %d CPUs so that every "
-                    "worker starts, and they share the cores (on the demo, 3 workers on 2 CPUs "
-                    "were no faster than 2)", num_cpus, cpus, num_cpus)
-    # Listens on 127.0.0.1 only: main() set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray
-    # was imported (see prepare_environment).
-    ray.init(num_cpus=num_cpus or cpus, include_dashboard=False,
-             logging_level=logging.WARNING, configure_logging=True)
-
-
-class _RayStarter:
-    """Starts (or connects to) Ray on a background thread.
-
-    A local cluster takes 3-5 s to start on 2 CPUs, about a third of it with a CPU idle: the
-    driver meanwhile reads the config, loads the tokenizer and plans the units.
-    """
-
-    def __init__(self, address: str | None, num_cpus: int | None = None):
-        self._error: BaseException | None = None
-        self._up = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(address, num_cpus),
-                                        name="ray.init", daemon=True)
-        self._thread.start()
-
-    def _run(self, address: str | None, num_cpus: int | None) -> None:
-        # ray.init warns that it cannot set its SIGTERM handler off the main thread;
-        # wait() sets the same handler there.
-        logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
-        # Starting the cluster forks (and execs at once) Ray's daemons while JAX's threads run:
-        # JAX's fork warning does not apply.
-        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
-                                category=RuntimeWarning)
-        import ray
-
-        starts_cluster = not ray.is_initialized() and not (
-            address or os.environ.get("RAY_ADDRESS"))
-        try:
-            start_ray(address, num_cpus)
-        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
-            self._error = e
-            return
-        finally:
-            self._up.set()
-        if starts_cluster:
-            # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG, Ray's
-            # fate sharing): this thread stays until the process exits.
-            threading.Event().wait()
-
-    def join(self) -> None:
-        """Returns once ray.init has returned or raised (for error paths: raises nothing)."""
-        self._up.wait()
-
-    def wait(self) -> None:
-        """Returns once Ray is up; raises what ray.init raised."""
-        self._up.wait()
-        if self._error is not None:
-            raise self._error
-        if threading.current_thread() is threading.main_thread():
-            # What ray.init does on the main thread: SIGTERM exits through atexit, so that
-            # ray.shutdown stops the local cluster.
-            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
-
-
-class _NotMainThreadWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _summary_lines(s: dict[str, Any]) -> list[str]:
@@ -210,7 +137,7 @@ def run_command(args) -> int:
     if args.backend == "ray":
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
         workers = cfg.workers if cfg is not None else args.workers
-        ray_started = _RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
+        ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
     try:
         from jax_side import multihost
         from jax_side.feed import HostFeed
@@ -345,7 +272,24 @@ def prepare_environment(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``ingest`` console script."""
+    """The ``ingest`` console script.
+
+    SIGINT and SIGTERM end it at any point with one line and status ``128 + signal``
+    (130 for Ctrl-C), after the cleanups (a local Ray cluster is stopped).
+    """
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    try:
+        with exit_on_signals() if on_main_thread else contextlib.nullcontext():
+            return _main(argv)
+    except KeyboardInterrupt as e:
+        code = e.exit_code if isinstance(e, Interrupted) else 128 + signal.SIGINT
+        print(f"ingest: interrupted ({signal.Signals(code - 128).name}); stopped",
+              file=sys.stderr)
+        _leave_if_distributed(code)
+        return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     prepare_environment(args)
     from jax_side.multihost import PeerError  # noqa: PLC0415
@@ -366,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                                       workers_per_host=args.workers or cfg.workers)
         return run_command(args)
     except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,
-            TimeoutError, PeerError) as e:
-        # Input and config problems, a peer that left: the message names the fix; no traceback.
+            TimeoutError, PeerError, ClusterUnreachableError) as e:
+        # Input and config problems, a peer that left, a cluster that is gone: the message
+        # names the fix; no traceback.
         print(f"ingest: error: {_host()}{e}", file=sys.stderr)
         _leave_if_distributed(1)
         return 1
+    except KeyboardInterrupt:
+        raise
     except BaseException:
         _leave_if_distributed(1, print_traceback=True)
         raise
@@ -392,6 +339,8 @@ def _bench(args) -> int:
 
 def _host() -> str:
     """``host I of N: `` in a multi-process run, else nothing."""
+    if "jax" not in sys.modules:  # an interrupt while JAX is imported: never distributed
+        return ""
     import jax
 
     if not jax.distributed.is_initialized():
