@@ -232,7 +232,11 @@ def _pids_using(directory: str) -> list[int]:
     """Processes of this user with a file open under ``directory``, or in their command line."""
     prefix = os.path.join(directory, "")
     found = []
-    for entry in os.scandir("/proc"):
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:  # no /proc (macOS): the descendants noted are all there is
+        return found
+    for entry in entries:
         if not entry.name.isdigit():
             continue
         try:

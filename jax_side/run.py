@@ -267,7 +267,7 @@ def prepare_environment(args) -> None:
     only. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported, so setting it later
     does nothing (its sockets then listen on every interface).
     """
-    if not (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")):
+    if (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS") or "local") == "local":
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 

@@ -209,12 +209,14 @@ def own_temp_dirs(ray_tmp: Path) -> list[Path]:
 # -- never joining a cluster it was not given ---------------------------------------------------
 
 
-def test_a_stale_ray_current_cluster_file_is_ignored(job, ray_tmp, reference_digest):
+@pytest.mark.parametrize("hosts", [[], ["--hosts", "2", "--devices-per-host", "4"]],
+                         ids=["one-process", "two-local-hosts"])
+def test_a_stale_ray_current_cluster_file_is_ignored(job, ray_tmp, reference_digest, hosts):
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text(dead)
-    s = summary(*run_ingest(run_args(job), env_for(ray_tmp)))
-    assert s["backend"] == "ray" and s["workers"] == 2
+    s = summary(*run_ingest(run_args(job, "ray", *hosts), env_for(ray_tmp)))
+    assert s["backend"] == "ray" and s["workers"] == 2 * (1 + bool(hosts))
     assert s["digest"] == reference_digest
     assert (ray_tmp / "ray" / "ray_current_cluster").read_text() == dead  # not ours to change
     assert own_temp_dirs(ray_tmp) == []  # the run's own temp dir is removed at exit
