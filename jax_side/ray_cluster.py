@@ -62,8 +62,8 @@ def _raise_interrupted(signum: int, frame) -> None:
 
 
 def _exit_now(signum: int, frame) -> None:
-    # A second signal while the first one unwinds: leave at once. The daemons of a local
-    # cluster die with this process (Ray's fate sharing).
+    # A second signal while the first one unwinds: leave at once. A local cluster ends with
+    # this process all the same (Ray's fate sharing, and the reaper).
     os._exit(128 + signum)
 
 
