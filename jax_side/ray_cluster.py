@@ -67,6 +67,29 @@ def _exit_now(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
+_REDELIVER_AFTER_S = 0.05  # far longer than the hook takes to return, too short to notice
+
+
+def _redeliver_swallowed(previous_hook):
+    """A ``sys.unraisablehook`` that sends the signal again when Python swallowed the
+    ``Interrupted`` it raised: a signal handled inside a garbage-collector callback (JAX has
+    one) or a ``__del__`` raises there, and Python only prints "Exception ignored"."""
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, Interrupted):
+            # From another thread, a moment later: a signal sent at once would be handled
+            # inside this hook, which swallows too. Should it land in such a place again, it
+            # comes back here.
+            timer = threading.Timer(_REDELIVER_AFTER_S, os.kill,
+                                    (os.getpid(), unraisable.exc_value.signum))
+            timer.daemon = True
+            timer.start()
+            return
+        previous_hook(unraisable)
+
+    return hook
+
+
 @contextlib.contextmanager
 def exit_on_signals() -> Iterator[None]:
     """Raises ``Interrupted`` on SIGINT and SIGTERM inside the block; a second signal exits.
@@ -76,6 +99,8 @@ def exit_on_signals() -> Iterator[None]:
     exits with ``128 + signal`` and one line, no traceback. Must run on the main thread.
     """
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_swallowed(previous_hook)
     try:
         yield
     except Interrupted:
@@ -83,6 +108,7 @@ def exit_on_signals() -> Iterator[None]:
             signal.signal(s, _exit_now)  # atexit's Ray shutdown must not be interrupted
         raise
     finally:
+        sys.unraisablehook = previous_hook
         if signal.getsignal(signal.SIGINT) is _raise_interrupted:
             for s, handler in previous.items():
                 signal.signal(s, handler)

@@ -392,3 +392,32 @@ def test_a_signal_at_any_point_exits_with_one_line(job, ray_tmp, tmp_path, sig, 
     assert not wait_gone(driver_tree[1:], EXIT_BOUND_S)
     assert not _alive(processes_mentioning(str(ray_tmp)))
     assert own_temp_dirs(ray_tmp) == []
+
+
+SWALLOWED = r"""
+import os, signal, time
+from jax_side.ray_cluster import Interrupted, exit_on_signals
+
+class SignalledWhileCollected:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled inside __del__, which swallows raises
+        for _ in range(10_000):
+            pass
+
+try:
+    with exit_on_signals():
+        SignalledWhileCollected()
+        time.sleep(30)
+    print("not interrupted")
+except Interrupted as e:
+    print("interrupted", e.signum)
+"""
+
+
+def test_a_signal_handled_inside_a_destructor_still_interrupts(ray_tmp):
+    """Python swallows what a __del__ or a gc callback (JAX has one) raises; the signal must
+    not be lost there."""
+    out = subprocess.run([sys.executable, "-c", SWALLOWED], env=env_for(ray_tmp), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["interrupted", str(int(signal.SIGTERM))], out.stderr[-2000:]
+    assert "Exception ignored" not in out.stderr
