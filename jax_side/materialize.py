@@ -20,7 +20,7 @@ from ingest.plan import UnitPlan, build_plan, deal_units
 from ingest.shift import FIELDS
 from ingest.stream import Chunk
 from ingest.tokenize import load_tokenizer
-from jax_side.ray_start import start_ray
+from jax_side.ray_cluster import start_ray
 
 __all__ = ["materialize_command", "materialize_corpus"]
 

@@ -385,11 +385,13 @@ def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
     if args.backend == "ray" and not (args.address or os.environ.get("RAY_ADDRESS")):
         import ray
 
+        from jax_side.ray_cluster import start_ray
+
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
         # Logical CPUs: every host's workers must be placeable, else actors wait forever for
-        # CPUs; a small machine runs them oversubscribed (slower, same batches).
-        ray.init(num_cpus=max(os.cpu_count() or 1, n * workers_per_host),
-                 include_dashboard=False, logging_level=logging.WARNING)
+        # CPUs; a small machine runs them oversubscribed (slower, same batches). A cluster of
+        # this command's own, which every process joins by its address.
+        start_ray(None, num_cpus=max(os.cpu_count() or 1, n * workers_per_host))
         ray_started = True
         child_argv += ["--address", ray.get_runtime_context().gcs_address]
     coordinator = f"127.0.0.1:{_free_port()}"

@@ -1,4 +1,4 @@
-"""The one place the feed uses private JAX APIs, each with a fallback.
+"""The one place the feed uses private JAX and Ray APIs, each with a fallback.
 
 ``put_arrays`` puts host arrays on a sharding through ``jax._src.interpreters.pxla.shard_args``,
 the batched host-to-device transfer that ``jax.device_put`` ends in. For the six numpy fields
@@ -15,6 +15,9 @@ first call), ``put_arrays`` uses ``jax.device_put`` from then on.
 ``cluster_types`` lists the cluster environments ``jax.distributed.initialize()`` probes
 (``jax._src.clusters``), so that ``ingest run`` can tell whether it runs in one before joining;
 without them it joins only when given ``--coordinator`` or when JAX finds one itself.
+
+``ray_auto_address`` resolves ``--address=auto`` the way ``ray.init`` does, so that a dead
+cluster is reported in seconds; without it the address goes to ``ray.init`` unchecked.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-__all__ = ["batched_transfer", "cluster_types", "put_arrays"]
+__all__ = ["batched_transfer", "cluster_types", "put_arrays", "ray_auto_address"]
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +83,18 @@ def cluster_types() -> list[type]:
     from jax._src import clusters  # noqa: PLC0415
 
     return list(clusters.ClusterEnv._cluster_types)
+
+
+def ray_auto_address() -> str | None:
+    """The cluster ``ray.init(address="auto")`` would join: the last ``ray start`` on this
+    machine (Ray's ``ray_current_cluster`` file), else a GCS process running here; None when
+    this Ray keeps that lookup elsewhere.
+
+    Raises:
+      ConnectionError: no cluster is found (Ray's own error).
+    """
+    try:
+        from ray._private.services import get_ray_address_from_environment  # noqa: PLC0415
+    except ImportError:
+        return None
+    return get_ray_address_from_environment("auto", None)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from typing import Any
 
 from ingest.cli import parse_args
@@ -25,7 +24,13 @@ from ingest.config import ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
-from jax_side.ray_start import start_ray
+from jax_side.ray_cluster import (
+    ClusterUnreachableError,
+    Interrupted,
+    RayStarter,
+    exit_on_signals,
+    start_ray,
+)
 
 __all__ = ["main", "run_command", "start_ray"]
 
@@ -47,64 +52,6 @@ def _process_start_time() -> float:
 
 
 _IMPORTED_AT = time.time()
-
-
-class _RayStarter:
-    """Starts (or connects to) Ray on a background thread.
-
-    A local cluster takes 3-5 s to start on 2 CPUs, about a third of it with a CPU idle: the
-    driver meanwhile reads the config, loads the tokenizer and plans the units.
-    """
-
-    def __init__(self, address: str | None, num_cpus: int | None = None):
-        self._error: BaseException | None = None
-        self._up = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(address, num_cpus),
-                                        name="ray.init", daemon=True)
-        self._thread.start()
-
-    def _run(self, address: str | None, num_cpus: int | None) -> None:
-        # ray.init warns that it cannot set its SIGTERM handler off the main thread;
-        # wait() sets the same handler there.
-        logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
-        # Starting the cluster forks (and execs at once) Ray's daemons while JAX's threads run:
-        # JAX's fork warning does not apply.
-        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
-                                category=RuntimeWarning)
-        import ray
-
-        starts_cluster = not ray.is_initialized() and not (
-            address or os.environ.get("RAY_ADDRESS"))
-        try:
-            start_ray(address, num_cpus)
-        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
-            self._error = e
-            return
-        finally:
-            self._up.set()
-        if starts_cluster:
-            # Ray's daemons die with the *thread* that started them (PR_SET_PDEATHSIG, Ray's
-            # fate sharing): this thread stays until the process exits.
-            threading.Event().wait()
-
-    def join(self) -> None:
-        """Returns once ray.init has returned or raised (for error paths: raises nothing)."""
-        self._up.wait()
-
-    def wait(self) -> None:
-        """Returns once Ray is up; raises what ray.init raised."""
-        self._up.wait()
-        if self._error is not None:
-            raise self._error
-        if threading.current_thread() is threading.main_thread():
-            # What ray.init does on the main thread: SIGTERM exits through atexit, so that
-            # ray.shutdown stops the local cluster.
-            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
-
-
-class _NotMainThreadWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _summary_lines(s: dict[str, Any]) -> list[str]:
@@ -168,7 +115,7 @@ def run_command(args) -> int:
     if args.backend == "ray":
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
         workers = cfg.workers if cfg is not None else args.workers
-        ray_started = _RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
+        ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
     held = contextlib.ExitStack()  # the checkpoint directory's lock, for the whole run
     try:
         from jax_side import multihost
@@ -348,12 +295,29 @@ def prepare_environment(args) -> None:
     only. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported, so setting it later
     does nothing (its sockets then listen on every interface).
     """
-    if not (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS")):
+    if (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS") or "local") == "local":
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``ingest`` console script."""
+    """The ``ingest`` console script.
+
+    SIGINT and SIGTERM end it at any point with one line and status ``128 + signal``
+    (130 for Ctrl-C), after the cleanups (a local Ray cluster is stopped).
+    """
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    try:
+        with exit_on_signals() if on_main_thread else contextlib.nullcontext():
+            return _main(argv)
+    except KeyboardInterrupt as e:
+        code = e.exit_code if isinstance(e, Interrupted) else 128 + signal.SIGINT
+        print(f"ingest: interrupted ({signal.Signals(code - 128).name}); stopped",
+              file=sys.stderr)
+        _leave_if_distributed(code)
+        return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     prepare_environment(args)
     from jax_side.multihost import PeerError  # noqa: PLC0415
@@ -374,11 +338,14 @@ def main(argv: list[str] | None = None) -> int:
                                       workers_per_host=args.workers or cfg.workers)
         return run_command(args)
     except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,
-            TimeoutError, PeerError) as e:
-        # Input and config problems, a peer that left: the message names the fix; no traceback.
+            TimeoutError, PeerError, ClusterUnreachableError) as e:
+        # Input and config problems, a peer that left, a cluster that is gone: the message
+        # names the fix; no traceback.
         print(f"ingest: error: {_host()}{e}", file=sys.stderr)
         _leave_if_distributed(1)
         return 1
+    except KeyboardInterrupt:
+        raise
     except BaseException:
         _leave_if_distributed(1, print_traceback=True)
         raise
@@ -399,6 +366,8 @@ def _bench(argv: list[str]) -> int:
 
 def _host() -> str:
     """``host I of N: `` in a multi-process run, else nothing."""
+    if "jax" not in sys.modules:  # an interrupt while JAX is imported: never distributed
+        return ""
     import jax
 
     if not jax.distributed.is_initialized():

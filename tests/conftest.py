@@ -27,6 +27,8 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
+        # address="local": a cluster of the tests' own, never one a `ray start` left running.
+        ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False,
+                 log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
