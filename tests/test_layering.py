@@ -1,4 +1,4 @@
-"""The layering rule of DESIGN.md: `ingest` imports neither `actors` nor `jax_side` (nor Ray
+"""The layering rule: `ingest` imports neither `actors` nor `jax_side` (nor Ray
 nor JAX); `actors` never imports `jax`."""
 
 from __future__ import annotations
