@@ -67,7 +67,7 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     # benchmarks/ is not an installed package: the measured programs import it from here.
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    # Each run starts, and is timed with, its own local cluster on loopback (FACTS.md). Ray
+    # Each run starts, and is timed with, its own local cluster on loopback. Ray
     # reads this variable when it is imported, so it must be in the environment from the start.
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -165,7 +165,7 @@ def run_grain(spec: BenchSpec, *, workers: int) -> dict[str, Any]:
     if workers:
         from absl import flags
 
-        flags.FLAGS.mark_as_parsed()  # grain reads absl flags; outside app.run (FACTS.md)
+        flags.FLAGS.mark_as_parsed()  # grain reads absl flags; outside app.run
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     it = iter(ds)
     try:
@@ -239,7 +239,7 @@ def run_ray_data(spec: BenchSpec) -> dict[str, Any]:
 
     started = process_start_time()
     timer = _Timer(started)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback (FACTS.md)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback cluster
     ray.init(num_cpus=spec.cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:

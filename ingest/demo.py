@@ -1,6 +1,6 @@
 """The built-in demo corpus: the Python standard library's own source, as Parquet shards.
 
-Real text that needs no download (FACTS.md). Written once into a cache folder and reused; the
+Real text that needs no download. Written once into a cache folder and reused; the
 folder name carries a hash of the Python install (stdlib path and version), so a
 different Python gets its own copy.
 """

@@ -157,7 +157,7 @@ class MixedStream(ChunkStream):
                     f"removed on resume")
             if st.weights != self._weights:
                 st.weights, st.credit = list(self._weights), [0] * len(self._weights)
-            if not st.component_documents:  # saved before it was kept
+            if not st.component_documents:  # a state saved without the field
                 st.component_documents = [(c["state"] or {}).get("documents", 0)
                                           for c in st.components]
         self._state = st

@@ -347,7 +347,7 @@ def deal_units(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int,
     n = len(run_start)
     nbytes = np.concatenate([[0], np.cumsum(plan.units.nbytes[ids])])
     nbytes = nbytes[run_end] - nbytes[run_start]
-    # Keys of pooled plans stay as they were, so their batches do not change.
+    # A pooled plan (no source) keeps the empty key, which fixes its batches.
     key = () if source is None else (source,)
     if shuffle:
         order = philox(seed, epoch, 0x0D3A1, *key).permutation(n)

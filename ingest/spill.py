@@ -2,10 +2,10 @@
 
 A unit is often a part of a Parquet row group (``unit_rows`` below the group's rows), and
 Parquet decodes a column a whole row group at a time. Small groups stay decoded in memory
-(``ingest.sources``); a group too large for that cache was decoded again for every unit of it:
-a file written as one 31 MB row group (11,500 documents; pandas and ``pq.write_table`` put up
-to a million rows in a group) took 83 s to read as 8-row units against 1.9 s for the same
-documents in 1,024-row groups. Here such a group is decoded once per machine, written
+(``ingest.sources``); a group too large for that cache would be decoded again for every unit of
+it: a file written as one 31 MB row group (11,500 documents; pandas and ``pq.write_table`` put
+up to a million rows in a group) takes 83 s to read that way as 8-row units, against 1.9 s for
+the same documents in 1,024-row groups. Here such a group is decoded once per machine, written
 uncompressed as an Arrow IPC file under the cache folder, and memory-mapped: a unit then
 copies only its own rows, in every worker process on the machine, every epoch and every run.
 The same holds for a large JSON Lines file (one group, parsed once per machine) and a large
@@ -13,7 +13,7 @@ compressed IPC record batch.
 
 The files take the decoded text's size on disk, at most ``$INGEST_ROW_GROUP_CACHE_GB`` GiB
 (default 16; 0 turns this off) in all: the least recently used go first. Like every cache here,
-one that cannot be written or read is skipped (the group is decoded in memory as before),
+one that cannot be written or read is skipped (the group is decoded in memory instead),
 never an error.
 """
 

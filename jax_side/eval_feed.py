@@ -2,7 +2,7 @@
 
 Every process tokenizes every request and builds the same plan (``ingest.evaluation``): the
 global sorted order needs every sequence's length, and tokenizing an eval set is seconds
-(tiktoken GPT-2: about 6.7 M tokens/s per core, FACTS.md), so this costs less than a collective
+(tiktoken GPT-2: millions of tokens/s per core), so this costs less than a collective
 and no process ever waits for another. Each process then fills only the rows its devices hold,
 read off the sharding's addressable indices (``jax_side.sharding.host_rows``), and forms the
 global arrays with ``jax.make_array_from_process_local_data``::

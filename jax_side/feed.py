@@ -299,7 +299,7 @@ class HostFeed:
         self._device_prefetch = device_prefetch
         self._timeout = get_timeout_s
         self._cursors = {s: _Cursor() for s in self._rows.streams}
-        # Constant for the feed; computed once (it was a sixth of the host's per-step cost).
+        # Constant for the feed; computed once (per step it would be a sixth of the host's cost).
         self._fingerprints = (config.fingerprint(), config.output_fields())
         self._step = 0
         self._state = self._snapshot()

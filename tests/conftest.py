@@ -1,8 +1,8 @@
 """Shared fixtures: one Ray cluster for the session, on loopback, and 8 forced CPU devices.
 
-The environment must be set before JAX or Ray start (FACTS.md): 8 CPU devices for the
+The environment must be set before JAX or Ray start: 8 CPU devices for the
 multidevice tests, every Ray socket on 127.0.0.1, and token authentication off for this
-loopback-only test cluster (real clusters keep it on; see README).
+loopback-only test cluster (real clusters keep it on; see docs/operations.md).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_worker_runs_cpu_only_single_threaded_and_never_imports_jax(ray_cluster,
                                  if m.split(".")[0] in ("jax", "jaxlib", "pandas")))),
             timeout=60)
         assert env == WORKER_ENV
-        # No JAX (DESIGN.md); no pandas either: pyarrow's to_numpy/pa.array/pa.scalar pull it
+        # No JAX; no pandas either: pyarrow's to_numpy/pa.array/pa.scalar pull it
         # in (0.25 s and 48 MB per worker), ingest reads Arrow buffers instead.
         assert modules == []
     finally:
