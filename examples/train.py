@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     # Small rows and batches so that a step takes well under a second on CPU.
-    config = demo_config(seq_len=64, global_batch_size=8, num_streams=4, chunk_rows=4,
-                         workers=2)
+    config = demo_config(seq_len=64, global_batch_size=8, num_streams=4, workers=2)
     if args.backend == "ray":
         from jax_side.run import start_ray
 

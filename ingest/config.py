@@ -308,11 +308,10 @@ class Config:
             problems.append(f"max_workers={self.max_workers} is below "
                             f"min_workers={self.min_workers}")
         if ok[1] and ok[2] and self.global_batch_size % self.num_streams:
-            divisors = [d for d in range(1, self.global_batch_size + 1)
-                        if self.global_batch_size % d == 0]
             problems.append(
                 f"global_batch_size={self.global_batch_size} is not divisible by "
-                f"num_streams={self.num_streams}; choose num_streams in {divisors}")
+                f"num_streams={self.num_streams}; choose num_streams in "
+                f"{_nearest_divisors(self.global_batch_size, self.num_streams)}")
         for name, allowed in (("packing", PACKINGS), ("shift", SHIFTS),
                               ("long_documents", LONG_DOCUMENT_POLICIES),
                               ("on_bad_document", BAD_INPUT_POLICIES), ("deal", DEALS),
@@ -746,3 +745,14 @@ def _strict_loader(yaml: Any) -> type:
             return super().construct_mapping(node, deep=deep)
 
     return StrictLoader
+
+
+def _nearest_divisors(n: int, near: int, count: int = 8) -> list[int] | str:
+    """The divisors of ``n`` closest to ``near`` (all of them when there are few), ascending;
+    found in O(sqrt(n)) steps, so a huge ``n`` is quick."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    divisors = sorted(set(small) | {n // d for d in small})
+    if len(divisors) <= count:
+        return divisors
+    closest = sorted(sorted(divisors, key=lambda d: (abs(d - near), d))[:count])
+    return f"the divisors of {n}, e.g. {closest}"

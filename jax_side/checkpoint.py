@@ -303,7 +303,8 @@ def open_manager(directory: str | epath.Path, max_to_keep: int | None = None
     """A checkpoint manager for ``directory`` (created if missing), for the feed and a model.
 
     Args:
-      directory: local path or any URI orbax accepts.
+      directory: local path (relative to the working directory, or absolute) or any URI orbax
+        accepts.
       max_to_keep: keep this many most recent steps; None keeps all.
 
     Returns:
@@ -311,6 +312,9 @@ def open_manager(directory: str | epath.Path, max_to_keep: int | None = None
     """
     if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep <= 0):
         raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive integer or None")
+    if "://" not in str(directory):
+        # orbax takes a relative path for a URI and refuses it: made absolute here.
+        directory = os.path.abspath(os.fspath(directory))
     check_step_folders(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(epath.Path(directory), options=options)

@@ -619,3 +619,13 @@ def test_a_stray_step_folder_is_refused_when_the_manager_opens(tmp_path):
     with pytest.raises(FeedCheckpointError, match=r"step folder\(s\) \['7'\] that are not "
                                                   r"complete checkpoints"):
         checkpoint.open_manager(tmp_path / "ckpt")
+
+
+@pytest.mark.ray
+def test_a_relative_checkpoint_directory_saves_and_restores(concat_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    manager = checkpoint.open_manager("ckpt", max_to_keep=2)
+    checkpoint.save_feed(manager, 4, concat_run.states[3])
+    manager.wait_until_finished()
+    assert (tmp_path / "ckpt" / "4").is_dir()
+    assert checkpoint.restore_latest_feed(checkpoint.open_manager("ckpt")) == concat_run.states[3]

@@ -135,3 +135,20 @@ def test_sizes_that_cannot_fit_in_memory_fail_at_start_naming_the_field(tmp_path
     assert len(problems) == len(expect), done.stderr
     for pattern in expect:
         assert any(re.search(pattern, p) for p in problems), (pattern, problems)
+
+
+@pytest.mark.parametrize("batch, streams, expected", [
+    (32, 5, [1, 2, 4, 8, 16, 32]),                  # few divisors: all of them
+    (720, 7, [2, 3, 4, 5, 6, 8, 9, 10]),            # many: the ones closest to num_streams
+    (2**40 * 3, 7, [1, 2, 3, 4, 6, 8, 12, 16]),     # over 10^12: found from sqrt(n) candidates
+])
+def test_a_batch_num_streams_does_not_divide_suggests_divisors(tmp_path, batch, streams,
+                                                               expected):
+    text = BASE.replace("global_batch_size: 8", f"global_batch_size: {batch}").replace(
+        "num_streams: 4", f"num_streams: {streams}")
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, text))
+    message = str(e.value)
+    assert f"global_batch_size={batch} is not divisible by num_streams={streams}" in message
+    assert str(expected) in message
+    assert all(batch % d == 0 for d in expected)
