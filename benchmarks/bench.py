@@ -3,14 +3,18 @@
 One invocation measures, on one corpus with one tokenizer, ``seq_len`` and batch
 (``benchmarks.corpus``), each in its own subprocess with a deadline:
 
-    1 limit        the configured tokenizer on one core (the feed's own encode_docs), the
-                   other backend (HF tokenizers on GPT-2's files), Parquet reads, and our
+    1 limit        the configured tokenizer on one core with tiktoken (the feed's own
+                   encode_docs; the reference of every ratio), the same on the feed's
+                   tokenizer_backend where that is a faster exact one (cl100k), the other
+                   backend (HF tokenizers on GPT-2's files), Parquet reads, and our
                    Stream.produce on one core with a cProfile split of where it spends time;
                    the tokenizer again right after ours (2), to show whether the machine's
                    speed moved in between (``limit_drift``)
     2 ours         ``ingest run CONFIG --json``: Ray, one worker per CPU, global arrays on a
                    mesh of the local devices; process-tree RSS and CPU time sampled
-    3 peers        grain (one process, and mp_prefetch with one process per CPU), Ray Data
+    3 peers        grain (one process, and mp_prefetch with one process per CPU), Ray Data,
+                   each on the feed's tokenizer backend; grain again on tiktoken where the
+                   feed's backend is a faster one
     4 assembly     host-side cost of one global batch against np.copy of its bytes
     5 step         ``ingest run --step-time S`` with S = 1.25 x our steady time per batch (over
                    the run's later part, see ``HostFeed.stats``): the stall;
@@ -45,15 +49,24 @@ __all__ = ["bench_command", "format_table", "run_bench"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS_VERSION = 1
-TARGET_OF_LIMIT = 0.8  # the issue's target: ours >= 0.8 x (CPUs x single-core tokenizer)
+# Targets, reported and never asserted. With every runtime knob automatic: ours >= 0.85 x (CPUs
+# x tiktoken's single-core rate) and >= 3 x the best grain pipeline on the same tokenizer; with
+# a faster exact backend (cl100k): ours >= 1.3 x (CPUs x tiktoken's single-core rate).
+TARGET_OF_LIMIT = 0.85
+TARGET_OF_LIMIT_FAST_BACKEND = 1.3
+TARGET_OVER_GRAIN = 3.0
 STEP_TIME_FACTOR = 1.25  # the simulated training step, relative to our time per batch
 DRIFT_WARNING = 0.05  # the tokenizer's limit moving more than this between its two measures
 # Per-subprocess deadlines. A full demo run takes ~20 s here; quick runs take a few seconds
 # each plus startup. Generous, so that a loaded machine is slow but never cut off.
 TIMEOUT_S = {"full": 900.0, "quick": 120.0}
 PEERS = ("grain", "grain_mp", "ray_data")
+# Run again with tiktoken where the feed's backend is a faster one.
+TIKTOKEN_PEERS = ("grain", "grain_mp")
 PEER_TITLES = {"grain": "grain, 1 process", "grain_mp": "grain mp_prefetch({cpus})",
-               "ray_data": "Ray Data ({cpus} CPUs)"}
+               "ray_data": "Ray Data ({cpus} CPUs)",
+               "grain_tiktoken": "grain, 1 process, tiktoken",
+               "grain_mp_tiktoken": "grain mp_prefetch({cpus}), tiktoken"}
 # The sections every results file has (the smoke test checks them).
 SECTIONS = ("machine", "versions", "setting", "limit", "ours", "peers", "host_assembly",
             "training_step", "scaling", "ratios")
@@ -141,16 +154,28 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
     ours = results["ours"]
     limit = results["limit"].get("tokenizer", {})
     produce = results["limit"].get("produce", {})
-    out: dict[str, Any] = {"target_of_limit": TARGET_OF_LIMIT}
+    fast = "tokens_per_s" in results["limit"].get("feed_backend", {})
+    out: dict[str, Any] = {"target_of_limit": (TARGET_OF_LIMIT_FAST_BACKEND if fast
+                                               else TARGET_OF_LIMIT),
+                           "target_over_grain": TARGET_OVER_GRAIN}
     if "tokens_per_s" not in ours:
         out["error"] = "our run failed; no ratio"
         return out
     steady = ours.get("steady_tokens_per_s") or ours["tokens_per_s"]
+    grains = [p["tokens_per_s"] for n, p in results["peers"].items()
+              if n in ("grain", "grain_mp") and p.get("tokens_per_s")]
+    if grains:
+        # grain on the same tokenizer and backend as ours
+        out["ours_over_grain"] = ours["tokens_per_s"] / max(grains)
+        out["meets_grain_target"] = out["ours_over_grain"] >= TARGET_OVER_GRAIN
     if "tokens_per_s" in limit:
         out["ours_over_cpus_x_limit"] = ours["tokens_per_s"] / (cpus * limit["tokens_per_s"])
-        out["meets_target"] = out["ours_over_cpus_x_limit"] >= TARGET_OF_LIMIT
+        out["meets_target"] = out["ours_over_cpus_x_limit"] >= out["target_of_limit"]
         out["steady_ours_over_cpus_x_limit"] = steady / (cpus * limit["tokens_per_s"])
-        out["meets_target_steady"] = out["steady_ours_over_cpus_x_limit"] >= TARGET_OF_LIMIT
+        out["meets_target_steady"] = (out["steady_ours_over_cpus_x_limit"]
+                                      >= out["target_of_limit"])
+        out["ours_with_startup_over_cpus_x_limit"] = (
+            ours["tokens_per_s_with_startup"] / (cpus * limit["tokens_per_s"]))
     again = results["limit"].get("tokenizer_after_ours", {})
     if "tokens_per_s" in limit and "tokens_per_s" in again:
         # Above 1: the machine ran faster after ours than before it (other programs, a
@@ -218,8 +243,9 @@ class _Runner:
 
     def limits(self) -> dict[str, Any]:
         return {key: self.limit(what, key)
-                for what, key in (("tokenizer", "tokenizer"), ("other", "other_backend"),
-                                  ("parquet", "parquet"), ("produce", "produce"))}
+                for what, key in (("tokenizer", "tokenizer"), ("feed_backend", "feed_backend"),
+                                  ("other", "other_backend"), ("parquet", "parquet"),
+                                  ("produce", "produce"))}
 
     def ours(self, workers: int | None = None) -> dict[str, Any]:
         _log(f"ours: ingest run, ray backend, {workers or self.spec.cpus} workers")
@@ -257,12 +283,18 @@ class _Runner:
                    pipeline_seconds_per_batch=per_batch)
         return out
 
-    def peers(self) -> dict[str, Any]:
+    def peers(self, fast_backend: bool) -> dict[str, Any]:
+        """Each peer with the feed's tokenizer backend; where that is a faster one than
+        tiktoken, grain again with tiktoken (``NAME_tiktoken``)."""
         out = {}
-        for name in PEERS:
-            _log(f"peer: {name}")
-            out[name] = self.program("benchmarks.peers", [name, "--spec", self.spec_path],
-                                     f"peer {name}")
+        runs = [(n, []) for n in PEERS]
+        if fast_backend:
+            runs += [(f"{n}_tiktoken", ["--backend", "tiktoken"]) for n in TIKTOKEN_PEERS]
+        for key, extra in runs:
+            name = key.removesuffix("_tiktoken")
+            _log(f"peer: {key}")
+            out[key] = self.program("benchmarks.peers", [name, "--spec", self.spec_path, *extra],
+                                    f"peer {key}")
         return out
 
     def host_assembly(self, per_batch: float | None) -> dict[str, Any]:
@@ -273,21 +305,24 @@ class _Runner:
         return out
 
 
-def run_bench(config: str | None, *, quick: bool, steps: int | None,
-              command: str) -> dict[str, Any]:
+def run_bench(config: str | None, *, quick: bool, steps: int | None, command: str,
+              tokenizer: str | None = None) -> dict[str, Any]:
     """Runs every measurement; returns the results (see ``SECTIONS``)."""
-    spec = make_spec(config, quick=quick, steps=steps)
+    spec = make_spec(config, quick=quick, steps=steps, tokenizer=tokenizer)
+    resolved = _resolved(spec)
     results: dict[str, Any] = {
         "version": RESULTS_VERSION, "mode": "quick" if quick else "full", "command": command,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": _machine(), "versions": _versions(),
         "setting": {"config": config or "(built-in demo)", "files": list(spec.files),
                     "text_column": spec.text_column, "tokenizer": spec.tokenizer,
+                    "tokenizer_backend": spec.tokenizer_backend,
                     "seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size,
                     "num_streams": spec.num_streams, "cpus": spec.cpus,
                     "steps": spec.steps or "one epoch",
-                    **{k: spec.config[k] for k in ("packing", "chunk_rows", "prefetch",
-                                                   "unit_rows")}},
+                    "runtime_knobs": resolved.runtime_choices(),
+                    **{k: getattr(resolved, k) for k in ("packing", "chunk_rows", "prefetch",
+                                                         "streams_per_call", "unit_rows")}},
     }
     with tempfile.TemporaryDirectory(prefix="ingest-bench-") as tmp:
         runner = _Runner(spec, tmp)
@@ -300,7 +335,7 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None,
         results["training_step"] = runner.training_step(per_batch)
         results["scaling"] = ({"skipped": "--quick runs no worker sweep"} if quick else
                               runner.scaling(results["ours"], results["limit"]["tokenizer"]))
-        results["peers"] = runner.peers()
+        results["peers"] = runner.peers("tokens_per_s" in results["limit"]["feed_backend"])
         results["host_assembly"] = runner.host_assembly(per_batch)
     results["machine"]["load_average_end"] = os.getloadavg()
     results["ratios"] = _ratios(results, spec.cpus)
@@ -308,6 +343,13 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None,
         # a smoke test measures no target
         results["ratios"]["meets_target"] = results["ratios"]["meets_target_steady"] = None
     return results
+
+
+def _resolved(spec: BenchSpec):
+    """The run's config with its automatic knobs resolved as ``ingest run`` resolves them."""
+    from ingest.config import Config  # noqa: PLC0415
+
+    return Config.from_dict(spec.config)
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -388,6 +430,11 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"{'  again, right after ours':<{w[0]}}  {_tok(again['tokens_per_s']):<{w[1]}}"
                      f"  the machine's speed moved {drift:+.0%} in between"
                      + (": compare ratios with care" if abs(drift) > DRIFT_WARNING else ""))
+    fb = lim.get("feed_backend", {})
+    if "tokens_per_s" in fb or "error" in fb:
+        row(f"feed's backend, 1 core ({fb.get('backend', '?')})", fb,
+            f"{fb['tokens_per_s'] / tok['tokens_per_s']:.2f} x tiktoken"
+            if "tokens_per_s" in fb and "tokens_per_s" in tok else "")
     other = lim.get("other_backend", {})
     if "skipped" in other:
         lines.append(f"{'other tokenizer backend':<{w[0]}}  skipped: {other['skipped']}")
@@ -486,6 +533,13 @@ def format_table(r: dict[str, Any]) -> str:
                      f"{ra['steady_ours_over_cpus_x_limit']:.2f} (target {ra['target_of_limit']}: "
                      f"{'met' if ra['meets_target_steady'] else 'missed'}); ours / ({cpus} x "
                      f"our produce) = {ra.get('steady_ours_over_cpus_x_produce', 0):.2f}")
+    if "ours_with_startup_over_cpus_x_limit" in ra:
+        lines.append(f"counting startup: ours / ({cpus} x single-core limit) = "
+                     f"{ra['ours_with_startup_over_cpus_x_limit']:.2f}")
+    if "ours_over_grain" in ra:
+        lines.append(f"ours / best grain on the same tokenizer = {ra['ours_over_grain']:.2f} "
+                     f"(target {ra['target_over_grain']}: "
+                     f"{'met' if ra['meets_grain_target'] else 'missed'})")
     if "best_peer" in ra:
         lines.append(f"ours / best peer = {ra['ours_over_best_peer']:.2f} ({ra['best_peer']}, "
                      f"tokens/s from the first batch"
@@ -501,10 +555,25 @@ def format_table(r: dict[str, Any]) -> str:
 
 def bench_command(args) -> int:
     """The ``ingest bench`` command: runs, prints the table, writes the JSON."""
+    corpus = getattr(args, "corpus", None)
+    tokenizer = getattr(args, "tokenizer", None)
     parts = ["ingest", "bench"] + ([args.config] if args.config else []) + (
+        [f"--corpus={corpus}"] if corpus else []) + (
+        [f"--tokenizer={tokenizer}"] if tokenizer else []) + (
         ["--quick"] if args.quick else []) + (["--steps", str(args.steps)] if args.steps else [])
-    out = args.out or os.path.join(HERE, "results-quick.json" if args.quick else "results.json")
-    results = run_bench(args.config, quick=args.quick, steps=args.steps, command=" ".join(parts))
+    default = "results-quick" if args.quick else "results"
+    if corpus == "tiny":
+        default += "-tiny"
+    if tokenizer:
+        default += f"-{os.path.basename(tokenizer).split('.')[0]}"
+    out = args.out or os.path.join(HERE, default + ".json")
+    config = args.config
+    if corpus == "tiny":
+        from benchmarks.tiny_corpus import write_tiny_corpus  # noqa: PLC0415
+
+        config = write_tiny_corpus()
+    results = run_bench(config, quick=args.quick, steps=args.steps, command=" ".join(parts),
+                        tokenizer=tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     sc = results["scaling"]
     if "runs" in sc:

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["BenchSpec", "load_texts", "make_spec"]
+__all__ = ["BenchSpec", "backend_of", "load_texts", "make_spec"]
 
 QUICK_TEXT_BYTES = 6 * 2**20  # two of the demo's eight shards: about 3.8 M GPT-2 tokens
 QUICK_STEPS = 40
@@ -35,6 +35,7 @@ class BenchSpec:
       files: local Parquet files, in order.
       text_column: the column holding one document per row.
       tokenizer: the tokenizer spec (``ingest.tokenize.load_tokenizer``).
+      tokenizer_backend: the config's ``tokenizer_backend``, which the peers use too.
       seq_len, global_batch_size, num_streams: the batch shape (and our streams).
       cpus: CPUs of this machine; our workers and grain's prefetch processes.
       steps: each pipeline stops after this many global batches; None runs one epoch.
@@ -47,6 +48,7 @@ class BenchSpec:
     files: tuple[str, ...]
     text_column: str
     tokenizer: str
+    tokenizer_backend: str
     seq_len: int
     global_batch_size: int
     num_streams: int
@@ -82,18 +84,22 @@ def _text_bytes(path: str, column: str) -> int:
                for i in range(md.num_row_groups))
 
 
-def make_spec(config_path: str | None, *, quick: bool, steps: int | None) -> BenchSpec:
-    """Builds the spec from a config (or the demo), checking that every pipeline can read it.
+def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
+              tokenizer: str | None = None) -> BenchSpec:
+    """Builds the spec from a config (or the demo), checking that every pipeline can read it;
+    ``tokenizer`` replaces the config's.
 
     Raises:
       ValueError: sources that are not local Parquet files, or that use different text
         columns (the peers read one column of plain Parquet files).
     """
-    from ingest.config import load_config
+    from ingest.config import AUTO_FIELDS, load_config
     from ingest.demo import demo_config
     from ingest.sources import list_files
 
     base = load_config(config_path) if config_path else demo_config()
+    if tokenizer is not None:
+        base = base.replace(tokenizer=tokenizer)
     cpus = os.cpu_count() or 1
     columns = sorted({s.text_column for s in base.sources})
     files: list[str] = []
@@ -128,7 +134,10 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None) -> Ben
     config.update(sources=[{"paths": list(files), "text_column": columns[0], "format": "parquet",
                             "weight": 1.0}],
                   num_epochs=1, workers=cpus)
+    # Knobs the config leaves automatic stay so: `ingest run` resolves them for its workers.
+    config.update({n: None for n in AUTO_FIELDS if base.is_auto(n)})
     return BenchSpec(files=tuple(files), text_column=columns[0], tokenizer=base.tokenizer,
+                     tokenizer_backend=base.tokenizer_backend,
                      seq_len=base.seq_len, global_batch_size=base.global_batch_size,
                      num_streams=base.num_streams, cpus=cpus, steps=steps,
                      limit_text_bytes=QUICK_LIMIT_TEXT_BYTES if quick else LIMIT_TEXT_BYTES,
@@ -166,3 +175,10 @@ def load_texts(files: tuple[str, ...], column: str, max_bytes: int | None = None
                 nbytes += len(v.encode("utf-8"))
     return texts, {"documents": len(texts), "text_bytes": nbytes, "skipped": skipped,
                    "complete": True}
+
+
+def backend_of(tokenizer: Any) -> str:
+    """The library that runs a loaded tokenizer: a faster BPE backend, tiktoken or HF
+    tokenizers."""
+    return getattr(tokenizer, "backend", "tiktoken" if type(tokenizer).__name__ ==
+                   "TiktokenTokenizer" else "hf tokenizers")

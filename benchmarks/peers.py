@@ -11,7 +11,8 @@ peer ends in the same place as ours: six int32 ``[global_batch_size, seq_len]`` 
     ray_data   read_parquet -> map_batches(tokenize + pack + shift) -> iter_jax_batches, on
                a local Ray cluster of CPUs
 
-The tokenizer is ``ingest.tokenize.load_tokenizer(spec)``: the feed's own encoding call, so the
+The tokenizer is ``ingest.tokenize.load_tokenizer(spec, backend)``: the feed's own encoding call
+with the feed's ``tokenizer_backend`` (``--backend tiktoken`` for tiktoken itself), so the
 pipelines differ only in how they move and pack the tokens. Tokens are counted as ours are:
 non-padding input tokens (a document's tokens plus its end-of-document token).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.corpus import BenchSpec
+from benchmarks.corpus import BenchSpec, backend_of
 from benchmarks.measure import process_start_time
 
 __all__ = ["main", "pack_rows"]
@@ -116,14 +117,15 @@ class _Tokenize:
 
     A plain picklable callable: mp_prefetch sends the pipeline to its processes."""
 
-    def __init__(self, tokenizer: str, text_column: str):
+    def __init__(self, tokenizer: str, backend: str, text_column: str):
         self._spec = tokenizer
+        self._backend = backend
         self._column = text_column
 
     def __call__(self, element: dict[str, Any]) -> dict[str, np.ndarray]:
         from ingest.tokenize import load_tokenizer  # cached per process
 
-        tok = load_tokenizer(self._spec)
+        tok = load_tokenizer(self._spec, self._backend)
         text = element[self._column]
         if isinstance(text, bytes):
             text = text.decode("utf-8")
@@ -144,7 +146,7 @@ def _shift_right(batch: dict[str, np.ndarray], eos_id: int) -> dict[str, np.ndar
     return out
 
 
-def run_grain(spec: BenchSpec, *, workers: int) -> dict[str, Any]:
+def run_grain(spec: BenchSpec, *, workers: int, backend: str) -> dict[str, Any]:
     import grain
     import jax
     from grain import experimental as gx
@@ -153,10 +155,10 @@ def run_grain(spec: BenchSpec, *, workers: int) -> dict[str, Any]:
 
     started = process_start_time()
     timer = _Timer(started)
-    eos = load_tokenizer(spec.tokenizer).eos_id
+    eos = load_tokenizer(spec.tokenizer, backend).eos_id
     sharding = _sharding()
     shape = (spec.global_batch_size, spec.seq_len)
-    tokenize = _Tokenize(spec.tokenizer, spec.text_column)
+    tokenize = _Tokenize(spec.tokenizer, backend, spec.text_column)
     ds = gx.ParquetIterDataset(list(spec.files))
     ds = ds.map(tokenize)
     ds = gx.ConcatThenSplitIterDataset(ds, length_struct={"inputs": spec.seq_len,
@@ -223,16 +225,16 @@ def pack_rows(token_lists: list[np.ndarray], eos_id: int, seq_len: int) -> dict[
             "targets_segmentation": np.where(s_tg, 0, seg).astype(np.int32)}
 
 
-def _tokenize_and_pack(batch: dict[str, np.ndarray], *, tokenizer: str, text_column: str,
-                       seq_len: int) -> dict[str, np.ndarray]:
+def _tokenize_and_pack(batch: dict[str, np.ndarray], *, tokenizer: str, backend: str,
+                       text_column: str, seq_len: int) -> dict[str, np.ndarray]:
     from ingest.tokenize import load_tokenizer  # cached per Ray worker process
 
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer, backend)
     texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in batch[text_column] if t]
     return pack_rows(tok.encode_batch(texts), tok.eos_id, seq_len)
 
 
-def run_ray_data(spec: BenchSpec) -> dict[str, Any]:
+def run_ray_data(spec: BenchSpec, *, backend: str) -> dict[str, Any]:
     import os
 
     import ray
@@ -247,7 +249,7 @@ def run_ray_data(spec: BenchSpec) -> dict[str, Any]:
         ctx.enable_progress_bars = False
         ds = ray.data.read_parquet(list(spec.files)).select_columns([spec.text_column])
         ds = ds.map_batches(_tokenize_and_pack, batch_format="numpy",
-                            fn_kwargs={"tokenizer": spec.tokenizer,
+                            fn_kwargs={"tokenizer": spec.tokenizer, "backend": backend,
                                        "text_column": spec.text_column,
                                        "seq_len": spec.seq_len})
         rows_per_batch = spec.global_batch_size
@@ -287,6 +289,13 @@ def _iter_batches_as_arrays(ds, spec: BenchSpec):
                for k, v in b.items()}
 
 
+def _backend_name(tokenizer: str, backend: str) -> str:
+    """The library that ran the tokenizer (``auto`` resolved)."""
+    from ingest.tokenize import load_tokenizer
+
+    return backend_of(load_tokenizer(tokenizer, backend))
+
+
 def _version(dist: str) -> str:
     from importlib.metadata import version
 
@@ -297,12 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__)
     p.add_argument("peer", choices=("grain", "grain_mp", "ray_data"))
     p.add_argument("--spec", required=True, help="the BenchSpec JSON written by ingest bench")
+    p.add_argument("--backend", help="the tokenizer backend (default: the spec's, as the feed "
+                   "runs it)")
     args = p.parse_args(argv)
     spec = BenchSpec.load(args.spec)
+    backend = args.backend or spec.tokenizer_backend
     if args.peer == "ray_data":
-        out = run_ray_data(spec)
+        out = run_ray_data(spec, backend=backend)
     else:
-        out = run_grain(spec, workers=spec.cpus if args.peer == "grain_mp" else 0)
+        out = run_grain(spec, workers=spec.cpus if args.peer == "grain_mp" else 0,
+                        backend=backend)
+    out["tokenizer_backend"] = _backend_name(spec.tokenizer, backend)
     print(json.dumps(out))
     return 0
 

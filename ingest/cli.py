@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(benchmarks/).")
     b.add_argument("config", nargs="?", help="YAML config whose sources, tokenizer and batch "
                    "shape to use (default: the built-in demo)")
+    b.add_argument("--corpus", choices=("demo", "tiny"), help="a built-in corpus instead of a "
+                   "config: demo (the standard library's source, 18 KB documents) or tiny "
+                   "(the same text cut into documents of at most 200 bytes); default: demo")
+    b.add_argument("--tokenizer", metavar="SPEC", help="the tokenizer every pipeline uses "
+                   "(gpt2, cl100k, ...; default: the config's); the peers run with the "
+                   "feed's tokenizer_backend and, where that is not tiktoken, with tiktoken too")
     b.add_argument("--json", action="store_true",
                    help="also print the results as one JSON object on the last line of stdout")
     b.add_argument("--out", metavar="FILE", help="results file (default: "
@@ -114,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.command == "bench":
         if args.steps is not None and args.steps <= 0:
             parser.error(f"--steps={args.steps} must be positive")
+        if args.config and args.corpus:
+            parser.error(f"give a config or --corpus={args.corpus}, not both")
         return args
     problems = []
     if args.steps is not None and args.steps <= 0:

@@ -575,12 +575,13 @@ def check_memory(config: Config, *, streams: int | None = None,
     per_stream = config.prefetch + 2
     chunk_need = owned * per_stream * config.chunk_bytes
     if chunk_need > total:
+        lower = "prefetch or seq_len" if config.chunk_rows == 1 else "chunk_rows, prefetch or seq_len"
         problems.append(
-            f"chunk_rows={config.chunk_rows:,} x seq_len={config.seq_len:,} x 6 fields x 4 "
+            f"chunk_rows={config.chunk_rows:,}{' (automatic)' if config.is_auto('chunk_rows') else ''}"
+            f" x seq_len={config.seq_len:,} x 6 fields x 4 "
             f"bytes = {_size(config.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
             f"prefetch={config.prefetch} + 2 chunks each (in flight, being read, being "
-            f"produced): {_size(chunk_need)}, more than {have}. Lower chunk_rows, prefetch or "
-            f"seq_len")
+            f"produced): {_size(chunk_need)}, more than {have}. Lower {lower}")
     if not problems and batch_need + chunk_need > total:
         problems.append(
             f"the batches ({_size(batch_need)}: {host_batches} x {host:,} rows x "

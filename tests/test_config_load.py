@@ -107,7 +107,7 @@ def _limited() -> None:
      [r"global_batch_size=8: 8 rows on this host x seq_len=1,000,000,000 x 6 fields x 4 bytes "
       r"= 178.8 GiB per batch; the host keeps 6 .*: 1.0 TiB, more than this machine's "
       r".* Lower global_batch_size or seq_len",
-      r"chunk_rows=16 x seq_len=1,000,000,000 .* Lower chunk_rows, prefetch or seq_len"]),
+      r"chunk_rows=1 \(automatic\) x seq_len=1,000,000,000 .* Lower prefetch or seq_len"]),
     ("run", {"global_batch_size": 400_000_000},
      [r"global_batch_size=400000000: 400,000,000 rows on this host x seq_len=32 .* 286.1 GiB "
       r"per batch"]),
@@ -115,7 +115,8 @@ def _limited() -> None:
      [r"batch_rampup step 10: global_batch_size=8 x 5e\+07 = 400000000 rows: 400,000,000 rows "
       r"on this host .* Lower that factor or seq_len"]),
     ("materialize", {"seq_len": 1_000_000_000, "num_epochs": 1},
-     [r"chunk_rows=16 x seq_len=1,000,000,000 x 6 fields x 4 bytes = 357.6 GiB per chunk; 4 "
+     [r"chunk_rows=1 \(automatic\) x seq_len=1,000,000,000 x 6 fields x 4 bytes = 22.4 GiB per "
+      r"chunk; 4 "
       r"stream\(s\) keep up to prefetch=2 \+ 2 chunks each"]),
 ])
 def test_sizes_that_cannot_fit_in_memory_fail_at_start_naming_the_field(tmp_path, command,
