@@ -273,11 +273,30 @@ def test_joining_a_cluster_that_is_gone_fails_fast_naming_the_address(job, ray_t
     assert took < 60, f"took {took:.0f} s to give up on {dead}"  # ray.init alone retries minutes
 
 
+def alone_on_the_machine(command: list[str]) -> list[str]:
+    """``command`` in a PID namespace of its own, where no other program's Ray runs (Ray's
+    ``auto`` joins any running cluster it finds before it reads ``ray_current_cluster``):
+    the tests' own cluster may be up. Skips where namespaces cannot be made."""
+    unshare = shutil.which("unshare")
+    probe = [unshare, "--pid", "--fork", "--mount-proc", "true"] if unshare else None
+    if probe is None or subprocess.run(probe, capture_output=True, timeout=30).returncode:
+        from ray._private.services import find_gcs_addresses
+
+        if find_gcs_addresses():
+            pytest.skip("a Ray cluster runs on this machine and `unshare --pid` is not "
+                        "available to hide it")
+        return command
+    return [unshare, "--pid", "--fork", "--mount-proc", *command]
+
+
 def test_address_auto_with_a_stale_file_names_the_file(job, ray_tmp):
     dead = f"127.0.0.1:{free_port()}"
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text(dead)
-    code, _, err = run_ingest(run_args(job, "ray", "--address", "auto"), env_for(ray_tmp))
+    command = alone_on_the_machine(ingest(run_args(job, "ray", "--address", "auto")))
+    code, _, err = finish(subprocess.Popen(command, env=env_for(ray_tmp), cwd=ROOT,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           stdin=subprocess.DEVNULL, text=True))
     assert code == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert dead in last and "ray_current_cluster" in last and "ray stop" in last, last

@@ -256,10 +256,12 @@ def test_streams_of_one_plan_share_each_epochs_deal(tmp_path):
     assert [a.tolist() for a in other] != [a.tolist() for a in again]
 
 
-def test_plan_with_fewer_units_than_streams_says_so(tmp_path):
-    write_parquet(tmp_path / "a.parquet", make_texts(4, 0), row_group_size=4)
+def test_plan_with_fewer_rows_than_streams_says_so(tmp_path):
+    # Units are cut down to one row to give every stream one; three rows cannot feed four.
+    write_parquet(tmp_path / "a.parquet", make_texts(3, 0), row_group_size=4)
     config = make_config([tmp_path], unit_rows=2, num_streams=4, global_batch_size=4)
-    with pytest.raises(ValueError, match=r"2 unit\(s\) for num_streams=4.*unit_rows"):
+    with pytest.raises(ValueError, match=r"unit\(s\) for num_streams=4: the corpus has 3 "
+                                         r"row\(s\), fewer than the streams"):
         build_plan(config)
 
 
