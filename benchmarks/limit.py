@@ -164,6 +164,7 @@ def measure_parquet(spec: BenchSpec) -> dict[str, Any]:
 # Where Stream.produce spends its time: (label, file suffix, function name).
 _PROFILE_PARTS = (
     ("tokenize", "ingest/tokenize.py", "encode_docs"),
+    ("tokenize", "ingest/bpe_backend.py", "encode_docs"),
     ("parquet_read", "ingest/sources.py", "read_texts"),
     ("utf8_decode", "ingest/sources.py", "decode_texts"),
     ("pack_shift", "ingest/shift.py", "concat_fields"),
