@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -178,7 +179,8 @@ def materialize_command(args) -> int:
         import ray  # noqa: PLC0415
 
         started_ray = not ray.is_initialized()
-        start_ray(args.address)
+        # As `ingest run`: a local cluster gets at least one CPU per worker asked for.
+        start_ray(args.address, max(os.cpu_count() or 1, cfg.workers or 0))
     progress = None if args.no_progress else Progress(cfg, plan)
     try:
         summary = materialize_corpus(cfg, args.out, backend=args.backend, plan=plan,

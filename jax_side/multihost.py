@@ -74,6 +74,10 @@ PEER_EXIT_GRACE_S = 60.0
 _LAUNCHER_FLAGS = ("--hosts", "--devices-per-host")
 
 
+class ClusterJoinError(RuntimeError):
+    """This process could not join the JAX processes of the cluster environment it is in."""
+
+
 class PeerError(RuntimeError):
     """A collective between the JAX processes failed: a peer died, left or broke off.
 
@@ -218,7 +222,7 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
     processes; else does nothing.
 
     Raises:
-      RuntimeError: a cluster environment was detected but joining failed (naming it), or
+      ClusterJoinError: a cluster environment was detected but joining failed (naming it), or
         ``JAX_COORDINATOR_ADDRESS`` is set where no environment gives the process count and id.
     """
     if jax.distributed.is_initialized():
@@ -233,7 +237,7 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if found is None:
         if address:
-            raise RuntimeError(
+            raise ClusterJoinError(
                 f"JAX_COORDINATOR_ADDRESS={address} is set, but no cluster environment JAX "
                 f"detects (Cloud TPU, Kubernetes, SLURM, Open MPI) gives this process's count "
                 f"and id. Start the processes under one of them, or pass --coordinator "
@@ -248,7 +252,7 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
     try:
         jax.distributed.initialize()
     except (ValueError, TypeError, RuntimeError) as e:
-        raise RuntimeError(
+        raise ClusterJoinError(
             f"jax.distributed.initialize() failed in the cluster environment {name} that JAX "
             f"detected: {e}. Fix the environment, or pass --coordinator HOST:PORT --num-hosts N "
             f"--host-id I") from e

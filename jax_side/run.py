@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     prepare_environment(args)
-    from jax_side.multihost import PeerError  # noqa: PLC0415
+    from jax_side.multihost import ClusterJoinError, PeerError  # noqa: PLC0415
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:
@@ -338,7 +338,7 @@ def _main(argv: list[str] | None) -> int:
                                       workers_per_host=args.workers or cfg.workers)
         return run_command(args)
     except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,
-            TimeoutError, PeerError, ClusterUnreachableError) as e:
+            TimeoutError, PeerError, ClusterJoinError, ClusterUnreachableError) as e:
         # Input and config problems, a peer that left, a cluster that is gone: the message
         # names the fix; no traceback.
         print(f"ingest: error: {_host()}{e}", file=sys.stderr)

@@ -507,6 +507,22 @@ def test_a_coordinator_address_alone_is_refused_before_joining(monkeypatch):
     assert not jax.distributed.is_initialized()
 
 
+def test_the_command_names_a_cluster_it_cannot_join_without_a_traceback(monkeypatch, capsys,
+                                                                         tmp_path):
+    from tests.test_cli import call_main
+
+    for name in _SCHEDULER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))
+    assert call_main(["run", "--backend", "local", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "ingest: error: JAX_COORDINATOR_ADDRESS=127.0.0.1:1 is set" in err
+    assert "--coordinator 127.0.0.1:1 --num-hosts N --host-id I" in err
+    assert "Traceback" not in err
+    assert not jax.distributed.is_initialized()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_hosts_join_through_the_cluster_environment_jax_detects(corpora, tmp_path):
