@@ -95,7 +95,7 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
     """
     from ingest.config import AUTO_FIELDS, load_config
     from ingest.demo import demo_config
-    from ingest.sources import list_files
+    from ingest.paths import list_files
 
     base = load_config(config_path) if config_path else demo_config()
     if tokenizer is not None:

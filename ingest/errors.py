@@ -7,7 +7,7 @@ read on the host says exactly what to fix.
 
 from __future__ import annotations
 
-__all__ = ["BadInputError", "ConfigError", "IngestInternalError", "StreamError"]
+__all__ = ["BAD_REASONS", "BadInputError", "ConfigError", "IngestInternalError", "StreamError"]
 
 
 class ConfigError(ValueError):
@@ -64,3 +64,8 @@ class IngestInternalError(AssertionError):
 def _rebuild(cls, args, kwargs):
     # Exceptions cross process boundaries (Ray) by pickling; keyword-only fields need this.
     return cls(*args, **kwargs)
+
+
+# Reason codes for bad documents; index 0 means "good".
+BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json",
+               "invalid_token_id", "tokenizer_error", "worker_crash")

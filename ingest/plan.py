@@ -45,8 +45,9 @@ import numpy as np
 from ingest import spill
 from ingest.config import Config
 from ingest.errors import BadInputError
+from ingest.paths import list_files
 from ingest.replay import build_replay_plan
-from ingest.sources import LARGE_GROUP_BYTES, FileInfo, describe_file, describe_table, list_files
+from ingest.sources import LARGE_GROUP_BYTES, FileInfo, describe_file, describe_table
 from ingest.units import UNIT_FIELDS as _UNIT_FIELDS
 from ingest.units import Unit, UnitPlan, Units
 

@@ -1,9 +1,6 @@
-"""Finding corpus files and reading documents out of them.
+"""Reading documents out of corpus files (``ingest.paths`` finds the files).
 
-Paths may be local files, directories (searched recursively, each real file once however
-symbolic links lead to it), globs, or URIs: Arrow's filesystems (``s3://``, ``gs://``,
-``abfs://``, ``hdfs://``, ``file://``) and any other scheme fsspec knows (``hf://``, ``az://``,
-``memory://``...; some need their package: ``gcsfs``, ``adlfs``, ``huggingface_hub``). Formats:
+Formats:
 Parquet, Arrow IPC file / Feather v2, Arrow IPC stream (``datasets``' ``.arrow`` files, and its
 ``save_to_disk`` folders), and JSON Lines (plain or compressed: ``.jsonl.gz``, ``.json.zst``...).
 A file's *row groups* are Parquet row groups, IPC record batches, or the whole file for JSONL;
@@ -12,16 +9,10 @@ units never cross them.
 
 from __future__ import annotations
 
-import codecs
 import collections
 import dataclasses
-import functools
 import hashlib
-import io
-import json
 import logging
-import os
-import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -31,25 +22,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
-import pyarrow.json as pj
 import pyarrow.parquet as pq
 
-from ingest import spill
-from ingest.errors import BadInputError
+from ingest import jsonl, spill
+from ingest.errors import BAD_REASONS, BadInputError
+from ingest.paths import COMPRESSED, filesystem, format_of, is_local
 
 log = logging.getLogger("ingest.sources")
 
-__all__ = ["FileInfo", "describe_file", "describe_table", "list_files", "position",
-           "read_texts"]
-
-SUFFIXES = {
-    ".parquet": "parquet", ".pq": "parquet",
-    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
-    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
-}
-# JSON Lines may be compressed (``.jsonl.gz``, ``.json.zst``...): Arrow decompresses by suffix.
-COMPRESSED = (".gz", ".bz2", ".lz4", ".zst")
-
+__all__ = ["FileInfo", "describe_file", "describe_table", "position", "read_texts"]
 
 @dataclasses.dataclass(frozen=True)
 class FileInfo:
@@ -80,279 +61,6 @@ class FileInfo:
         return sum(self.row_groups)
 
 
-def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem holding ``path`` and the path on it.
-
-    Local paths, and the schemes Arrow has filesystems for (``s3``, ``gs``/``gcs``, ``hdfs``,
-    ``abfs``/``abfss``, ``file``), are read by Arrow; every other scheme that fsspec knows
-    (``hf``, ``az``, ``memory``...) through fsspec, bridged into Arrow.
-    """
-    if "://" not in path:
-        return pafs.LocalFileSystem(), os.path.abspath(path)
-    scheme, rest = path.split("://", 1)
-    if scheme in _ARROW_SCHEMES:
-        if scheme in ("s3", "gs", "gcs") and not _QUERY.search(rest):
-            # Object stores: the path is bucket/key, and one filesystem serves the bucket (a
-            # ``?`` not followed by ``option=`` is a glob's).
-            return _filesystem_for(f"{scheme}://{rest.split('/', 1)[0]}"), rest
-        try:
-            return pafs.FileSystem.from_uri(path)
-        except pa.ArrowNotImplementedError:
-            pass  # this Arrow build lacks the filesystem: fsspec may have it
-    fs, local = _fsspec(path, scheme)
-    return _bridged(fs), local
-
-
-_QUERY = re.compile(r"\?[\w.-]+=")
-_ARROW_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
-
-
-@functools.lru_cache(maxsize=64)
-def _filesystem_for(root: str) -> pafs.FileSystem:
-    # One filesystem per bucket/host: from_uri resolves regions and credentials, too slow to
-    # repeat for every unit read. Credentials come from the standard environment variables.
-    return pafs.FileSystem.from_uri(root)[0]
-
-
-def _fsspec(path: str, scheme: str):
-    """fsspec's filesystem for ``path`` and the path on it, or an error naming what to
-    install."""
-    import fsspec
-    from fsspec.registry import known_implementations
-
-    try:
-        return fsspec.core.url_to_fs(path)
-    except ImportError as e:
-        impl = known_implementations.get(scheme, {}).get("class", "")
-        package = impl.split(".", 1)[0] or "the fsspec implementation of this scheme"
-        raise ImportError(
-            f"{path}: reading {scheme}:// paths needs the {package} package; "
-            f"pip install {package}") from e
-    except ValueError as e:
-        if "Protocol not known" not in str(e):
-            raise
-        raise ValueError(
-            f"{path}: unknown filesystem scheme {scheme}://; use a local path or a "
-            f"URI of a scheme Arrow or fsspec knows (s3://, gs://, hf://, az://, memory://...)"
-        ) from e
-
-
-@functools.lru_cache(maxsize=64)
-def _bridged(fs) -> pafs.FileSystem:
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-
-
-def _uri(given: str, on_fs: str, found: str) -> str:
-    """A file ``found`` below ``on_fs`` (the path on its filesystem of the URI ``given``), as
-    a URI written as ``given`` is."""
-    root = on_fs.rstrip("/")
-    if not _QUERY.search(given) and found.startswith(root + "/"):
-        return given.rstrip("/") + found[len(root):]
-    return given.split("://", 1)[0] + "://" + found.lstrip("/")
-
-
-def _format_of(path: str, forced: str | None) -> str | None:
-    if forced:
-        return forced
-    root, ext = os.path.splitext(path.lower())
-    if ext in COMPRESSED:
-        return "jsonl" if SUFFIXES.get(os.path.splitext(root)[1]) == "jsonl" else None
-    return SUFFIXES.get(ext)
-
-
-def _hidden(path: str) -> bool:
-    return os.path.basename(path).startswith((".", "_"))
-
-
-_MAGIC = re.compile(r"[*?[]")
-
-
-def _glob_regex(pattern: str) -> re.Pattern:
-    """The paths below a glob's fixed folder that ``pattern`` (relative to it) matches, with
-    the shell's rules: ``*``, ``?`` and ``[...]`` never match ``/``, ``**`` as a whole part
-    matches any number of folders, and a wildcard never matches a name starting with ``.``
-    (as ``glob.glob`` on a local disk)."""
-    out = []
-    parts = pattern.split("/")
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if part == "**":
-            out.append(r"(?:(?!\.)[^/]*/)*" if not last else r"(?:(?!\.)[^/]*(?:/|$))*")
-            continue
-        rx = "" if part.startswith(".") or not _MAGIC.search(part) else r"(?!\.)"
-        j = 0
-        while j < len(part):
-            c = part[j]
-            neg = part[j + 1:j + 2] == "!"
-            # A class's first character (after a "!") is in it, even "]" (fnmatch's rule).
-            end = part.find("]", j + 2 + neg) if c == "[" else -1
-            if c == "*":
-                rx += "[^/]*"
-            elif c == "?":
-                rx += "[^/]"
-            elif end > 0:
-                body = "".join("\\" + ch if ch in "\\[]^" else ch
-                               for ch in part[j + 1 + neg:end])
-                rx += "[" + ("^/" if neg else "") + body + "]"
-                j = end
-            else:
-                rx += re.escape(c)
-            j += 1
-        out.append(rx + ("" if last else "/"))
-    return re.compile("".join(out) + r"\Z")
-
-
-def _split_glob(path: str) -> tuple[str, str]:
-    """A glob's fixed leading folder (no wildcard in it) and the rest of the pattern."""
-    parts = path.split("/")
-    k = next(i for i, p in enumerate(parts) if _MAGIC.search(p))
-    return "/".join(parts[:k]), "/".join(parts[k:])
-
-
-def _walk_local(root: str, depth: int | None = None) -> list[str]:
-    """The files below local folder ``root`` (at most ``depth`` folders down; None: all),
-    following symbolic links, each real file once.
-
-    The folders themselves are walked first, then the folders symbolic links lead to, each
-    once: a link to a folder already walked (a loop such as ``ln -s . self``, or a second way
-    to a folder) is not followed, and such links are named in a warning. A file reached by
-    several paths is listed by the first one walked.
-    """
-    seen: set[tuple[int, int]] = set()
-    files: dict[tuple[int, int], str] = {}
-    skipped: list[str] = []
-    pending = collections.deque([(root, 0)])  # (folder, its depth below root)
-    while pending:
-        top, top_depth = pending.popleft()
-        ident = _identity(top)
-        if ident is None or ident in seen:
-            if os.path.islink(top):  # else a missing root: no files
-                skipped.append(f"{top} -> {os.readlink(top)}")
-            continue
-        seen.add(ident)
-        for folder, dirs, names in os.walk(top):  # links are queued, not followed here
-            below = os.path.relpath(folder, top)
-            level = top_depth + (below != "." and below.count(os.sep) + 1)
-            dirs.sort()
-            keep = []
-            for d in dirs if depth is None or level < depth else ():
-                full = os.path.join(folder, d)
-                if os.path.islink(full):
-                    pending.append((full, level + 1))
-                elif (ident := _identity(full)) is not None and ident not in seen:
-                    seen.add(ident)
-                    keep.append(d)
-            dirs[:] = keep
-            for name in sorted(names):
-                full = os.path.join(folder, name)
-                ident = _identity(full)
-                if ident is not None and ident not in files:
-                    files[ident] = full
-    if skipped:
-        log.warning("%s: %d symbolic link(s) lead to a folder already read (a loop, or a second "
-                    "path to it) and were not followed, so each file is read once: %s", root,
-                    len(skipped), "; ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
-    return list(files.values())
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """The (device, inode) a path leads to; None for a broken link."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None) -> list[str]:
-    """Every file below folder ``root`` of ``fs``; a local one walked by ``_walk_local``
-    (``depth``: at most so many folders down)."""
-    if _is_local(fs):
-        return _walk_local(root, depth)
-    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-    return [i.path for i in infos if i.type == pafs.FileType.File]
-
-
-def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
-    """Expands files, directories and globs into a sorted list of data files.
-
-    Globs follow the shell's rules on every filesystem alike (``*`` stays within a folder,
-    ``**`` crosses folders). A folder written by ``datasets``' ``save_to_disk`` (a
-    ``state.json`` naming its ``.arrow`` files) gives the files it names, in its order.
-
-    Raises:
-      FileNotFoundError: listing every path that matched nothing, at once.
-    """
-    found: list[str] = []
-    missing: list[str] = []
-    ordered: list[list[str]] = []  # save_to_disk folders' files, each in the folder's order
-    for p in paths:
-        fs, base = _filesystem(p)
-        is_uri = "://" in p
-        if _MAGIC.search(base):
-            root, rest = _split_glob(base if is_uri else p)
-            given = _split_glob(p)[0] if is_uri else p
-            pattern = _glob_regex(rest)
-            depth = None if "**" in rest.split("/") else rest.count("/")
-            walked = _files_under(fs, root if is_uri else (root or "."), depth)
-            hits = []
-            for f in walked:
-                rel = f[len(root) + 1:] if root else f.removeprefix("./")
-                if pattern.match(rel) and not _hidden(f):
-                    hits.append(_uri(given, root, f) if is_uri else (f if root else rel))
-            (found.extend(hits) if hits else missing.append(f"{p} (glob matched no file)"))
-            continue
-        info = fs.get_file_info(base)
-        if info.type == pafs.FileType.File:
-            found.append(p)
-        elif info.type == pafs.FileType.Directory:
-            listed = _files_under(fs, base)
-            hits = [f for f in listed if not _hidden(f) and _format_of(f, fmt) is not None]
-            hits, orders = _saved_datasets(fs, listed, hits)
-            if is_uri:
-                hits = [_uri(p, base, f) for f in hits]
-                orders = [[_uri(p, base, f) for f in o] for o in orders]
-            ordered.extend(orders)
-            (found.extend(hits) if hits else missing.append(
-                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
-        else:
-            missing.append(p)
-    if missing:
-        raise FileNotFoundError(
-            f"{len(missing)} source path(s) not found: " + "; ".join(missing)
-            + ". Check sources[].paths in the config.")
-    out = sorted(dict.fromkeys(found))
-    for files in ordered:
-        # The folder's files take the places they sort to, in the folder's own order.
-        names = set(files)
-        at = [i for i, f in enumerate(out) if f in names]
-        for i, f in zip(at, dict.fromkeys(files), strict=True):
-            out[i] = f
-    return out
-
-
-def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]
-                    ) -> tuple[list[str], list[list[str]]]:
-    """``hits`` where each folder holding a ``state.json`` with ``_data_files`` (written by
-    ``datasets``' ``save_to_disk``) keeps only the files it names, and each such folder's
-    files in its order."""
-    out, ordered = hits, []
-    for state in sorted(f for f in listed if os.path.basename(f) == "state.json"):
-        folder = state[:-len("state.json")]
-        try:
-            with fs.open_input_stream(state) as f:
-                names = [d["filename"] for d in json.loads(f.read())["_data_files"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a save_to_disk folder: its files are read as any others
-        named = [folder + n for n in names]
-        ours = set(named)
-        out = [h for h in out if h in ours or not (h.startswith(folder)
-                                                    and "/" not in h[len(folder):])]
-        kept = set(out)
-        ordered.append([n for n in named if n in kept])
-    return out, ordered
-
-
 def position(info: FileInfo, row: int, group: int | None = None) -> str:
     """Where row ``row`` (0-based, of the whole file) is, as a reader finds it: ``line N``
     (1-based) in a JSONL file, else ``row N`` and its row group."""
@@ -379,13 +87,13 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
       BadInputError: reason ``corrupt_file`` (unreadable), ``missing_column`` or
         ``column_type`` (the column is absent or not string/binary, or not list<int>).
     """
-    fmt = _format_of(path, fmt)
+    fmt = format_of(path, fmt)
     if fmt is None:
         raise BadInputError(
             f"{path}: unknown file type; use .parquet, .arrow/.feather or .jsonl (plain or "
             f"{'/'.join(COMPRESSED)}), or set sources[].format", reason="unknown_format",
             path=path)
-    fs, local = _filesystem(path)
+    fs, local = filesystem(path)
     try:
         size = fs.get_file_info(local).size
         if fmt == "parquet":
@@ -409,7 +117,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
-            n, nbytes, key = _count_lines(fs, local)
+            n, nbytes, key = jsonl.count_lines(fs, local)
             rows, nbytes = (n,), (max(1, nbytes),)
     except BadInputError:
         raise
@@ -420,22 +128,6 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
             reason="corrupt_file", path=path) from e
     return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes,
                     content_key=key)
-
-
-def _count_lines(fs: pafs.FileSystem, local: str, block: int = 16 << 20
-                 ) -> tuple[int, int, str]:
-    """A JSONL file's lines (a last one without newline counts), its bytes (decompressed),
-    and a hash of them, read in blocks: planning never holds a whole file in memory."""
-    h = hashlib.sha256()
-    lines = total = 0
-    last = b"\n"
-    with fs.open_input_stream(local) as f:
-        while data := f.read(block):
-            h.update(data)
-            lines += data.count(b"\n")
-            total += len(data)
-            last = data[-1:]
-    return lines + (last != b"\n"), total, h.hexdigest()[:16]
 
 
 def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:
@@ -497,7 +189,7 @@ def read_texts(info: FileInfo, group: int, start: int, stop: int, text_column: s
     """
     if info.table is not None:
         return _one_array(info.table.column(text_column).slice(start, stop - start)), None
-    fs, local = _filesystem(info.path)
+    fs, local = filesystem(info.path)
     try:
         if sequential and info.format in ("parquet", "jsonl"):
             key = (info.path, info.size, info.content_key, group, text_column)
@@ -555,7 +247,7 @@ def _open(info: FileInfo, fs, local: str):
 def _open_arrow(fs: pafs.FileSystem, local: str):
     """An Arrow IPC file, opened for reading; a local one memory-mapped, so that its
     uncompressed batches are read without a copy."""
-    return pa.memory_map(local) if _is_local(fs) else fs.open_input_file(local)
+    return pa.memory_map(local) if is_local(fs) else fs.open_input_file(local)
 
 
 class _StreamBatches:
@@ -572,10 +264,6 @@ class _StreamBatches:
 
     def get_batch(self, i: int) -> pa.RecordBatch:
         return self._batches[i]
-
-
-def _is_local(fs: pafs.FileSystem) -> bool:
-    return isinstance(fs, pafs.LocalFileSystem)
 
 
 # Decoded groups (Parquet row groups, IPC batches read into memory, parsed JSONL files) as
@@ -626,7 +314,7 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
     plan said ``large``."""
     global _row_group_bytes
     if info.format == "jsonl":
-        table = _jsonl_table(info, fs, local, column)
+        table = jsonl.read_table(info.path, fs, local, column, info.row_groups[0])
     else:
         reader = _open(info, fs, local)
         if info.format == "parquet":
@@ -634,7 +322,7 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
         else:
             batch = reader.get_batch(group).select([column])
             table = pa.Table.from_batches([batch])
-            if _is_local(fs) and _mapped(batch, info):
+            if is_local(fs) and _mapped(batch, info):
                 return table  # points into the mapped file: nothing to keep
     if table.num_rows != info.row_groups[group]:
         raise _changed(info, group, str(table.num_rows))
@@ -657,7 +345,6 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
 _CURSORS = 32
 _CURSOR_BATCH_ROWS = 1024
 _CURSOR_BUFFER_BYTES = 1 << 20
-_JSONL_BLOCK_BYTES = 4 << 20
 _cursors: collections.OrderedDict[tuple, _Cursor] = collections.OrderedDict()
 
 
@@ -695,7 +382,7 @@ def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int)
         return cursor
     if info.format == "jsonl":
         f = fs.open_input_stream(local)  # decompressed by its suffix
-        return _Cursor(f, _jsonl_blocks(info, f, column))
+        return _Cursor(f, jsonl.parse_blocks(info.path, f, column))
     metadata = _open(info, fs, local).metadata  # the footer, parsed once per file
     f = fs.open_input_file(local)
     try:
@@ -707,27 +394,6 @@ def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int)
         f.close()
         raise
     return _Cursor(f, (pa.Table.from_batches([b]) for b in batches))
-
-
-def _jsonl_blocks(info: FileInfo, f, column: str) -> Iterator[pa.Table]:
-    """A JSONL file parsed a block of whole lines (about ``_JSONL_BLOCK_BYTES``) at a time,
-    each as ``_jsonl_table`` parses a whole file (its reasons are per line)."""
-    rest, line = b"", 0
-    while True:
-        data = f.read(_JSONL_BLOCK_BYTES)
-        rest += data
-        cut = rest.rfind(b"\n") + 1 if data else len(rest)
-        if not cut:
-            if not data:
-                return
-            continue  # a line longer than a block: read on
-        block, rest = rest[:cut], rest[cut:]
-        rows = block.count(b"\n") + (not block.endswith(b"\n") and len(block) > 0)
-        if rows:
-            yield _jsonl_parse(info, block, column, rows, first_line=line)
-        line += rows
-        if not data:
-            return
 
 
 def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
@@ -803,121 +469,6 @@ def _keep_mapped(key: tuple, table: pa.Table) -> pa.Table:
     return table
 
 
-def _jsonl_table(info: FileInfo, fs, local: str, column: str) -> pa.Table:
-    """A JSONL file's ``column``, one row per line, and the reason codes of malformed lines
-    (a second column, only if there are any). Compressed files (``.jsonl.gz``, ``.zst``...)
-    are decompressed by their suffix."""
-    with fs.open_input_stream(local) as f:
-        data = f.read()
-    return _jsonl_parse(info, data, column, info.row_groups[0])
-
-
-def _jsonl_parse(info: FileInfo, data: bytes, column: str, rows: int, *,
-                 first_line: int = 0) -> pa.Table:
-    """``_jsonl_table`` of JSONL text ``data`` of ``rows`` lines, the first of them line
-    ``first_line`` (0-based) of ``info``'s file. Only the file's start may hold a byte-order
-    mark: a later line starting with one is malformed, which Arrow's reader would not see."""
-    if not (first_line and data.startswith(codecs.BOM_UTF8)):
-        table = _jsonl_by_arrow(data, column, rows)
-        if table is not None:
-            return table
-    texts, bad = _jsonl_rows(info, data, column, first_line=first_line)
-    if texts and any(isinstance(t, list) for t in texts):
-        # A tokens_column: lists of ids (other rows are null or malformed).
-        arr = pa.array([t if isinstance(t, list) else None for t in texts],
-                       type=pa.list_(pa.int64()))
-    else:
-        arr = pa.array(texts, type=pa.binary())
-    if not bad.any():
-        return pa.table({"v": arr})
-    return pa.table({"v": arr, "bad": pa.array(bad, type=pa.int8())})
-
-
-_BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")
-
-
-def _jsonl_by_arrow(data: bytes, column: str, rows: int) -> pa.Table | None:
-    """``column`` parsed by Arrow's JSON reader (5x faster than ``json.loads`` per line on
-    short documents), when that is exactly what the line-by-line parser gives: valid UTF-8,
-    each of the ``rows`` lines one JSON object holding the column as a string (or a list of
-    integers), never null. None otherwise: the slow parser finds and names the bad lines.
-
-    Arrow skips blank lines and reads ``{..} {..}`` on one line as two rows, so with no blank
-    line, as many rows as lines means one object per line.
-    """
-    first = data[:data.find(b"\n")] if b"\n" in data else data
-    if (_BLANK_LINE.search(data) or not first.strip(b" \t\r")
-            or not data.rsplit(b"\n", 1)[-1].strip(b" \t\r") and not data.endswith(b"\n")):
-        return None
-    offsets = pa.py_buffer(np.array([0, len(data)], dtype=np.int64))
-    try:
-        pa.LargeStringArray.from_buffers(1, offsets, pa.py_buffer(data)).validate(full=True)
-        value = json.loads(first.removeprefix(codecs.BOM_UTF8)).get(column)
-    except (pa.ArrowInvalid, ValueError, AttributeError):
-        return None
-    kind = pa.list_(pa.int64()) if isinstance(value, list) else pa.string()
-    parse = pj.ParseOptions(explicit_schema=pa.schema([(column, kind)]),
-                            unexpected_field_behavior="ignore")
-    for block in (1 << 20, min(len(data) + 1, 2**31 - 1)):  # a longer line needs one block
-        try:
-            table = pj.read_json(pa.BufferReader(data), parse_options=parse,
-                                 read_options=pj.ReadOptions(use_threads=False,
-                                                             block_size=block))
-            break
-        except pa.ArrowInvalid as e:
-            if "straddl" not in str(e) or block > len(data):
-                return None
-    else:
-        return None
-    col = table.column(0)
-    if table.num_rows != rows or col.null_count or (
-            kind != pa.string() and pc.list_flatten(col).null_count):
-        return None
-    return pa.table({"v": col})
-
-
-def _jsonl_rows(info: FileInfo, data: bytes, text_column: str, *,
-                first_line: int = 0) -> tuple[list, np.ndarray]:
-    """All rows of JSONL text (a file, or its lines from ``first_line`` on) as UTF-8 bytes
-    (None for null), or lists of token ids, and per row the reason code of a malformed line
-    (else 0), parsed a line at a time."""
-    if not first_line:
-        data = data.removeprefix(codecs.BOM_UTF8)
-    texts: list = []
-    bad = np.zeros(data.count(b"\n") + 1, dtype=np.int8)
-    for lineno, line in enumerate(io.BytesIO(data)):
-        # Invalid UTF-8 or bad JSON on one line is a bad *document*, not a bad file.
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            bad[lineno] = BAD_REASONS.index("invalid_utf8")
-            obj = None
-        except json.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict):
-            bad[lineno] = bad[lineno] or BAD_REASONS.index("invalid_json")
-            texts.append(None)
-            continue
-        if text_column not in obj:
-            raise BadInputError(
-                f"{info.path}: line {first_line + lineno + 1} has no field "
-                f"text_column={text_column!r} (fields: {sorted(obj)}); set "
-                f"sources[].text_column", reason="missing_column", path=info.path,
-                row=first_line + lineno)
-        value = obj[text_column]
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                           for v in value):
-            texts.append(value)  # token ids of a tokens_column
-            continue
-        if value is not None and not isinstance(value, str):
-            raise BadInputError(
-                f"{info.path}: line {first_line + lineno + 1}: text_column={text_column!r} "
-                f"holds {type(value).__name__}, expected a string", reason="column_type",
-                path=info.path, row=first_line + lineno)
-        texts.append(None if value is None else value.encode("utf-8", "surrogatepass"))
-    return texts, bad[:len(texts)]
-
-
 def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
     """Turns a string/binary array into Python strings.
 
@@ -954,11 +505,6 @@ def decode_texts(arr: pa.Array) -> tuple[list[str | None], np.ndarray]:
                 bad[i] = BAD_REASONS.index("invalid_utf8")
             texts.append(v)
     return _mark_empty(arr, texts, bad)
-
-
-# Reason codes for bad documents; index 0 means "good".
-BAD_REASONS = ("ok", "null_text", "empty_text", "invalid_utf8", "invalid_json",
-               "invalid_token_id", "tokenizer_error", "worker_crash")
 
 
 def _one_array(col: pa.ChunkedArray) -> pa.Array:

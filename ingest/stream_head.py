@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ingest.chunk import state_from_json
-from ingest.sources import BAD_REASONS
+from ingest.errors import BAD_REASONS
 from ingest.unit_reader import UnitReader, UnitTokens
 
 __all__ = ["STATE_VERSION", "Head", "StreamState"]

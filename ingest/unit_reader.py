@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.config import Config
-from ingest.errors import BadInputError
+from ingest.errors import BAD_REASONS, BadInputError
 from ingest.plan import deal_units, philox
-from ingest.sources import BAD_REASONS, decode_texts, numpy_view, position, read_texts
+from ingest.sources import decode_texts, numpy_view, position, read_texts
 from ingest.tokenize import Tokenizer, bos_id_of, docs_of, with_bos, with_eos
 from ingest.units import UnitPlan
 

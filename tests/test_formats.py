@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ingest import BadInputError, Stream, build_plan, sources
+from ingest import BadInputError, Stream, build_plan, jsonl, paths, sources
 from ingest import plan as plan_module
 from ingest.sources import decode_texts, describe_file, read_texts
 from tests.helpers import (
@@ -86,7 +86,7 @@ def test_jsonl_read_a_block_at_a_time_gives_the_rows_of_the_whole_file(tmp_path,
     """deal: row_groups reads a JSONL file's units in order through a cursor that parses a
     block of lines at a time (here about 64 bytes): each unit gets the texts and reason codes
     the whole file's parse gives it."""
-    monkeypatch.setattr(sources, "_JSONL_BLOCK_BYTES", 64)
+    monkeypatch.setattr(jsonl, "_BLOCK_BYTES", 64)
     rng = random.Random(11)
     kinds = {**CLEAN, **UNCLEAN, "bom": lambda i: b'\xef\xbb\xbf{"text": "bom %d"}' % i}
     for case in range(150):
@@ -136,14 +136,14 @@ def test_arrow_json_reader_gives_exactly_the_line_parser_rows(tmp_path, monkeypa
         path = tmp_path / f"c{case}.jsonl"
         path.write_bytes(data)
         info = describe_file(str(path), None, "text")
-        fs, local = sources._filesystem(str(path))
-        fast = sources._jsonl_by_arrow(data, "text", info.num_rows)
+        fs, local = paths.filesystem(str(path))
+        fast = jsonl._by_arrow(data, "text", info.num_rows)
         assert (fast is not None) == clean, (case, data)
         fast_used += fast is not None
-        got = _outcomes(sources._jsonl_table(info, fs, local, "text"))
+        got = _outcomes(jsonl.read_table(info.path, fs, local, "text", info.num_rows))
         with monkeypatch.context() as m:
-            m.setattr(sources, "_jsonl_by_arrow", lambda *a: None)
-            want = _outcomes(sources._jsonl_table(info, fs, local, "text"))
+            m.setattr(jsonl, "_by_arrow", lambda *a: None)
+            want = _outcomes(jsonl.read_table(info.path, fs, local, "text", info.num_rows))
         assert got == want, (case, data)
         assert len(got) == info.num_rows
     assert 50 < fast_used < 280, fast_used
@@ -153,18 +153,18 @@ def test_a_line_longer_than_arrows_block_is_read_whole(tmp_path):
     texts = ["short one", "x" * (3 << 20), "short two"]
     path = write_jsonl(tmp_path / "long.jsonl", texts)
     data = open(path, "rb").read()
-    table = sources._jsonl_by_arrow(data, "text", 3)
+    table = jsonl._by_arrow(data, "text", 3)
     assert table is not None and table.column(0).to_pylist() == texts
 
 
 def test_token_id_lists_take_the_arrow_path_and_bad_ones_are_errors(tmp_path):
     good = tmp_path / "ids.jsonl"
     good.write_text('{"ids": [1, 2, 3]}\n{"ids": []}\n{"ids": [50256]}\n')
-    table = sources._jsonl_by_arrow(good.read_bytes(), "ids", 3)
+    table = jsonl._by_arrow(good.read_bytes(), "ids", 3)
     assert table.column(0).to_pylist() == [[1, 2, 3], [], [50256]]
     for line in ('{"ids": [1, null]}', '{"ids": [1.5]}', '{"ids": [true]}', '{"ids": "text"}'):
         data = b'{"ids": [7]}\n' + line.encode() + b"\n"
-        assert sources._jsonl_by_arrow(data, "ids", 2) is None, line
+        assert jsonl._by_arrow(data, "ids", 2) is None, line
 
 
 def test_each_jsonl_file_is_parsed_once_however_streams_interleave(tmp_path, monkeypatch):
@@ -173,13 +173,13 @@ def test_each_jsonl_file_is_parsed_once_however_streams_interleave(tmp_path, mon
     plan = build_plan(config)
     assert len(plan.units) == 40
     parsed = Counter()
-    real = sources._jsonl_table
+    real = jsonl.read_table
 
-    def counting(info, *args):
-        parsed[info.path] += 1
-        return real(info, *args)
+    def counting(path, *args):
+        parsed[path] += 1
+        return real(path, *args)
 
-    monkeypatch.setattr(sources, "_jsonl_table", counting)
+    monkeypatch.setattr(jsonl, "read_table", counting)
     forget_decoded()
     try:
         streams = [Stream(config, plan, s) for s in range(8)]
@@ -251,11 +251,11 @@ def test_planning_counts_jsonl_lines_across_read_blocks(tmp_path, tail):
     data = b"".join(json.dumps({"text": t}).encode() + b"\n" for t in make_texts(30, 4)) + tail
     path = tmp_path / "a.jsonl"
     path.write_bytes(data)
-    fs, local = sources._filesystem(str(path))
-    whole = sources._count_lines(fs, local)
+    fs, local = paths.filesystem(str(path))
+    whole = jsonl.count_lines(fs, local)
     assert whole[:2] == (data.count(b"\n") + (not data.endswith(b"\n")), len(data))
     for block in (1, 7, 64, 1000):
-        assert sources._count_lines(fs, local, block=block) == whole, block
+        assert jsonl.count_lines(fs, local, block=block) == whole, block
 
 
 def test_files_are_planned_in_order_and_the_first_bad_one_in_order_is_named(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ingest import Stream, build_plan, sources, spill
+from ingest import Stream, build_plan, jsonl, spill
 from ingest.sources import LARGE_GROUP_BYTES, read_texts
 from tests.helpers import (
     WORDS,
@@ -196,8 +196,8 @@ def test_a_large_jsonl_file_is_parsed_once_and_then_read_from_disk(cache_dir, tm
 def _read_in_a_fresh_process(info, start, stop, barrier, out) -> None:
     """A worker process's first read of a unit (spawned: nothing decoded yet)."""
     parsed = []
-    real = sources._jsonl_table
-    sources._jsonl_table = lambda *a: parsed.append(1) or real(*a)
+    real = jsonl.read_table
+    jsonl.read_table = lambda *a: parsed.append(1) or real(*a)
     barrier.wait(timeout=60)
     arr, _ = read_texts(info, 0, start, stop, "text")
     out.put((len(parsed), arr.to_pylist()))

@@ -1,0 +1,310 @@
+"""Finding corpus files: local paths, directories, globs and URIs, each file once.
+
+Paths may be local files, directories (searched recursively, each real file once however
+symbolic links lead to it), globs, or URIs: Arrow's filesystems (``s3://``, ``gs://``,
+``abfs://``, ``hdfs://``, ``file://``) and any other scheme fsspec knows (``hf://``, ``az://``,
+``memory://``...; some need their package: ``gcsfs``, ``adlfs``, ``huggingface_hub``). Globs
+follow the shell's rules on every filesystem alike.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+log = logging.getLogger("ingest.paths")
+
+__all__ = ["COMPRESSED", "filesystem", "format_of", "is_local", "list_files"]
+
+SUFFIXES = {
+    ".parquet": "parquet", ".pq": "parquet",
+    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+}
+# JSON Lines may be compressed (``.jsonl.gz``, ``.json.zst``...): Arrow decompresses by suffix.
+COMPRESSED = (".gz", ".bz2", ".lz4", ".zst")
+
+
+def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem holding ``path`` and the path on it.
+
+    Local paths, and the schemes Arrow has filesystems for (``s3``, ``gs``/``gcs``, ``hdfs``,
+    ``abfs``/``abfss``, ``file``), are read by Arrow; every other scheme that fsspec knows
+    (``hf``, ``az``, ``memory``...) through fsspec, bridged into Arrow.
+    """
+    if "://" not in path:
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    scheme, rest = path.split("://", 1)
+    if scheme in _ARROW_SCHEMES:
+        if scheme in ("s3", "gs", "gcs") and not _QUERY.search(rest):
+            # Object stores: the path is bucket/key, and one filesystem serves the bucket (a
+            # ``?`` not followed by ``option=`` is a glob's).
+            return _filesystem_for(f"{scheme}://{rest.split('/', 1)[0]}"), rest
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except pa.ArrowNotImplementedError:
+            pass  # this Arrow build lacks the filesystem: fsspec may have it
+    fs, local = _fsspec(path, scheme)
+    return _bridged(fs), local
+
+
+_QUERY = re.compile(r"\?[\w.-]+=")
+_ARROW_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+
+
+@functools.lru_cache(maxsize=64)
+def _filesystem_for(root: str) -> pafs.FileSystem:
+    # One filesystem per bucket/host: from_uri resolves regions and credentials, too slow to
+    # repeat for every unit read. Credentials come from the standard environment variables.
+    return pafs.FileSystem.from_uri(root)[0]
+
+
+def _fsspec(path: str, scheme: str):
+    """fsspec's filesystem for ``path`` and the path on it, or an error naming what to
+    install."""
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    try:
+        return fsspec.core.url_to_fs(path)
+    except ImportError as e:
+        impl = known_implementations.get(scheme, {}).get("class", "")
+        package = impl.split(".", 1)[0] or "the fsspec implementation of this scheme"
+        raise ImportError(
+            f"{path}: reading {scheme}:// paths needs the {package} package; "
+            f"pip install {package}") from e
+    except ValueError as e:
+        if "Protocol not known" not in str(e):
+            raise
+        raise ValueError(
+            f"{path}: unknown filesystem scheme {scheme}://; use a local path or a "
+            f"URI of a scheme Arrow or fsspec knows (s3://, gs://, hf://, az://, memory://...)"
+        ) from e
+
+
+@functools.lru_cache(maxsize=64)
+def _bridged(fs) -> pafs.FileSystem:
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def _uri(given: str, on_fs: str, found: str) -> str:
+    """A file ``found`` below ``on_fs`` (the path on its filesystem of the URI ``given``), as
+    a URI written as ``given`` is."""
+    root = on_fs.rstrip("/")
+    if not _QUERY.search(given) and found.startswith(root + "/"):
+        return given.rstrip("/") + found[len(root):]
+    return given.split("://", 1)[0] + "://" + found.lstrip("/")
+
+
+def format_of(path: str, forced: str | None) -> str | None:
+    if forced:
+        return forced
+    root, ext = os.path.splitext(path.lower())
+    if ext in COMPRESSED:
+        return "jsonl" if SUFFIXES.get(os.path.splitext(root)[1]) == "jsonl" else None
+    return SUFFIXES.get(ext)
+
+
+def _hidden(path: str) -> bool:
+    return os.path.basename(path).startswith((".", "_"))
+
+
+_MAGIC = re.compile(r"[*?[]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """The paths below a glob's fixed folder that ``pattern`` (relative to it) matches, with
+    the shell's rules: ``*``, ``?`` and ``[...]`` never match ``/``, ``**`` as a whole part
+    matches any number of folders, and a wildcard never matches a name starting with ``.``
+    (as ``glob.glob`` on a local disk)."""
+    out = []
+    parts = pattern.split("/")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append(r"(?:(?!\.)[^/]*/)*" if not last else r"(?:(?!\.)[^/]*(?:/|$))*")
+            continue
+        rx = "" if part.startswith(".") or not _MAGIC.search(part) else r"(?!\.)"
+        j = 0
+        while j < len(part):
+            c = part[j]
+            neg = part[j + 1:j + 2] == "!"
+            # A class's first character (after a "!") is in it, even "]" (fnmatch's rule).
+            end = part.find("]", j + 2 + neg) if c == "[" else -1
+            if c == "*":
+                rx += "[^/]*"
+            elif c == "?":
+                rx += "[^/]"
+            elif end > 0:
+                body = "".join("\\" + ch if ch in "\\[]^" else ch
+                               for ch in part[j + 1 + neg:end])
+                rx += "[" + ("^/" if neg else "") + body + "]"
+                j = end
+            else:
+                rx += re.escape(c)
+            j += 1
+        out.append(rx + ("" if last else "/"))
+    return re.compile("".join(out) + r"\Z")
+
+
+def _split_glob(path: str) -> tuple[str, str]:
+    """A glob's fixed leading folder (no wildcard in it) and the rest of the pattern."""
+    parts = path.split("/")
+    k = next(i for i, p in enumerate(parts) if _MAGIC.search(p))
+    return "/".join(parts[:k]), "/".join(parts[k:])
+
+
+def _walk_local(root: str, depth: int | None = None) -> list[str]:
+    """The files below local folder ``root`` (at most ``depth`` folders down; None: all),
+    following symbolic links, each real file once.
+
+    The folders themselves are walked first, then the folders symbolic links lead to, each
+    once: a link to a folder already walked (a loop such as ``ln -s . self``, or a second way
+    to a folder) is not followed, and such links are named in a warning. A file reached by
+    several paths is listed by the first one walked.
+    """
+    seen: set[tuple[int, int]] = set()
+    files: dict[tuple[int, int], str] = {}
+    skipped: list[str] = []
+    pending = collections.deque([(root, 0)])  # (folder, its depth below root)
+    while pending:
+        top, top_depth = pending.popleft()
+        ident = _identity(top)
+        if ident is None or ident in seen:
+            if os.path.islink(top):  # else a missing root: no files
+                skipped.append(f"{top} -> {os.readlink(top)}")
+            continue
+        seen.add(ident)
+        for folder, dirs, names in os.walk(top):  # links are queued, not followed here
+            below = os.path.relpath(folder, top)
+            level = top_depth + (below != "." and below.count(os.sep) + 1)
+            dirs.sort()
+            keep = []
+            for d in dirs if depth is None or level < depth else ():
+                full = os.path.join(folder, d)
+                if os.path.islink(full):
+                    pending.append((full, level + 1))
+                elif (ident := _identity(full)) is not None and ident not in seen:
+                    seen.add(ident)
+                    keep.append(d)
+            dirs[:] = keep
+            for name in sorted(names):
+                full = os.path.join(folder, name)
+                ident = _identity(full)
+                if ident is not None and ident not in files:
+                    files[ident] = full
+    if skipped:
+        log.warning("%s: %d symbolic link(s) lead to a folder already read (a loop, or a second "
+                    "path to it) and were not followed, so each file is read once: %s", root,
+                    len(skipped), "; ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+    return list(files.values())
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) a path leads to; None for a broken link."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None) -> list[str]:
+    """Every file below folder ``root`` of ``fs``; a local one walked by ``_walk_local``
+    (``depth``: at most so many folders down)."""
+    if is_local(fs):
+        return _walk_local(root, depth)
+    infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+    return [i.path for i in infos if i.type == pafs.FileType.File]
+
+
+def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
+    """Expands files, directories and globs into a sorted list of data files.
+
+    Globs follow the shell's rules on every filesystem alike (``*`` stays within a folder,
+    ``**`` crosses folders). A folder written by ``datasets``' ``save_to_disk`` (a
+    ``state.json`` naming its ``.arrow`` files) gives the files it names, in its order.
+
+    Raises:
+      FileNotFoundError: listing every path that matched nothing, at once.
+    """
+    found: list[str] = []
+    missing: list[str] = []
+    ordered: list[list[str]] = []  # save_to_disk folders' files, each in the folder's order
+    for p in paths:
+        fs, base = filesystem(p)
+        is_uri = "://" in p
+        if _MAGIC.search(base):
+            root, rest = _split_glob(base if is_uri else p)
+            given = _split_glob(p)[0] if is_uri else p
+            pattern = _glob_regex(rest)
+            depth = None if "**" in rest.split("/") else rest.count("/")
+            walked = _files_under(fs, root if is_uri else (root or "."), depth)
+            hits = []
+            for f in walked:
+                rel = f[len(root) + 1:] if root else f.removeprefix("./")
+                if pattern.match(rel) and not _hidden(f):
+                    hits.append(_uri(given, root, f) if is_uri else (f if root else rel))
+            (found.extend(hits) if hits else missing.append(f"{p} (glob matched no file)"))
+            continue
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.File:
+            found.append(p)
+        elif info.type == pafs.FileType.Directory:
+            listed = _files_under(fs, base)
+            hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
+            hits, orders = _saved_datasets(fs, listed, hits)
+            if is_uri:
+                hits = [_uri(p, base, f) for f in hits]
+                orders = [[_uri(p, base, f) for f in o] for o in orders]
+            ordered.extend(orders)
+            (found.extend(hits) if hits else missing.append(
+                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
+        else:
+            missing.append(p)
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} source path(s) not found: " + "; ".join(missing)
+            + ". Check sources[].paths in the config.")
+    out = sorted(dict.fromkeys(found))
+    for files in ordered:
+        # The folder's files take the places they sort to, in the folder's own order.
+        names = set(files)
+        at = [i for i, f in enumerate(out) if f in names]
+        for i, f in zip(at, dict.fromkeys(files), strict=True):
+            out[i] = f
+    return out
+
+
+def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]
+                    ) -> tuple[list[str], list[list[str]]]:
+    """``hits`` where each folder holding a ``state.json`` with ``_data_files`` (written by
+    ``datasets``' ``save_to_disk``) keeps only the files it names, and each such folder's
+    files in its order."""
+    out, ordered = hits, []
+    for state in sorted(f for f in listed if os.path.basename(f) == "state.json"):
+        folder = state[:-len("state.json")]
+        try:
+            with fs.open_input_stream(state) as f:
+                names = [d["filename"] for d in json.loads(f.read())["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a save_to_disk folder: its files are read as any others
+        named = [folder + n for n in names]
+        ours = set(named)
+        out = [h for h in out if h in ours or not (h.startswith(folder)
+                                                    and "/" not in h[len(folder):])]
+        kept = set(out)
+        ordered.append([n for n in named if n in kept])
+    return out, ordered
+
+
+def is_local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
+
