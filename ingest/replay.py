@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from ingest.chunk import Chunk, ChunkStream, state_from_json
 from ingest.config import Config
 from ingest.errors import BadInputError
-from ingest.materialize import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
+from ingest.segments import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
 from ingest.shift import FIELDS
 from ingest.sources import FileInfo, numpy_view
 from ingest.units import Unit, UnitPlan, Units

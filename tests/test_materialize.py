@@ -33,8 +33,8 @@ from ingest import (
     load_config,
     step_digest,
 )
-from ingest.materialize import read_manifest, read_segment
 from ingest.replay import ReplayStream
+from ingest.segments import read_manifest, read_segment
 from ingest.stream import open_stream
 from jax_side import HostFeed, batch_sharding
 from jax_side.materialize import materialize_corpus
