@@ -24,14 +24,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ingest.evaluation import (
-    INDEX_FIELDS,
-    EvalConfig,
-    EvalPlan,
-    Request,
-    plan_batches,
-    tokenize_requests,
-)
+from ingest.eval_plan import EvalPlan, plan_batches
+from ingest.evaluation import INDEX_FIELDS, EvalConfig, Request, tokenize_requests
 from ingest.shift import FIELDS
 from ingest.tokenize import Tokenizer
 from jax_side.sharding import host_rows

@@ -30,12 +30,12 @@ from helpers import WORDS, free_port, make_texts
 
 from ingest import step_digest
 from ingest.errors import ConfigError
+from ingest.eval_plan import plan_batches
 from ingest.evaluation import (
     Document,
     EvalConfig,
     LoglikelihoodPair,
     RollingDocument,
-    plan_batches,
     rolling_windows,
     sum_by_request,
     tokenize_requests,

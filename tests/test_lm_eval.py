@@ -129,7 +129,7 @@ def test_whitespace_only_prefix_is_refused():
 
 def test_the_eval_rows_carry_the_pair_tokens(tmp_path):
     """The rows the plan builds hold the sequence: inputs, targets and loss columns."""
-    from ingest.evaluation import plan_batches  # noqa: PLC0415
+    from ingest.eval_plan import plan_batches  # noqa: PLC0415
 
     tok = load_tokenizer("gpt2")
     config = EvalConfig(seq_len=SEQ_LEN, padding_multiple=1, global_batch_size=2,
