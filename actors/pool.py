@@ -111,9 +111,12 @@ class WorkerPool:
         # makes the next chunk of every stream of a group (fewer calls and objects). At most
         # a worker's share of the streams, so that every worker gets a group; left null in the
         # config, exactly that share.
-        share = len(self._stream_ids) // n
-        g = max(1, share if config.is_auto("streams_per_call")
-                else min(config.streams_per_call, share))
+        g = config.streams_per_call_on(len(self._stream_ids), n)
+        self.streams_per_call = g  # reported: one call makes the chunks of this many streams
+        if g != config.streams_per_call:
+            log.info("streams_per_call=%d: this host's %d streams on %d workers (the config's "
+                     "%d counts num_streams=%d on workers=%d)", g, len(self._stream_ids), n,
+                     config.streams_per_call, config.num_streams, config.workers)
         self._group = {s: tuple(self._stream_ids[i - i % g:i - i % g + g])
                        for i, s in enumerate(self._stream_ids)}
         self._placement = {s: self._workers[(i // g) % start_now]

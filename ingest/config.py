@@ -23,7 +23,7 @@ from typing import Any
 
 from ingest.errors import ConfigError
 
-__all__ = ["Config", "SourceConfig", "check_memory", "load_config"]
+__all__ = ["Config", "SourceConfig", "check_memory", "load_config", "streams_per_call_for"]
 
 log = logging.getLogger("ingest.config")
 
@@ -367,10 +367,10 @@ class Config:
             object.__setattr__(self, "chunk_rows", rows)
             auto["chunk_rows"] = f"auto: {why}"
         if self.streams_per_call is None:
-            share = -(-self.num_streams // self.workers)
+            share = streams_per_call_for(self.num_streams, self.workers)
             object.__setattr__(self, "streams_per_call", share)
             auto["streams_per_call"] = (f"auto: a worker's share of the streams, num_streams "
-                                        f"{self.num_streams} / workers {self.workers}; the pool "
+                                        f"{self.num_streams} // workers {self.workers}; the pool "
                                         f"takes the share of the streams its host owns")
         object.__setattr__(self, "_auto", auto)
 
@@ -390,6 +390,12 @@ class Config:
         if line not in _LOGGED:
             _LOGGED.add(line)
             log.info("runtime knobs: %s", line)
+
+    def streams_per_call_on(self, owned_streams: int, workers: int) -> int:
+        """The ``streams_per_call`` a pool of ``workers`` uses for ``owned_streams`` streams:
+        ``streams_per_call_for`` with the value given, or none where it was left null."""
+        given = None if self.is_auto("streams_per_call") else self.streams_per_call
+        return streams_per_call_for(owned_streams, workers, given)
 
     @property
     def chunk_bytes(self) -> int:
@@ -504,6 +510,15 @@ class Config:
         if problems:
             raise ConfigError(problems)
         return cfg
+
+
+def streams_per_call_for(streams: int, workers: int, given: int | None = None) -> int:
+    """Streams whose next chunks one actor call makes: a worker's share of ``streams`` on
+    ``workers`` workers (``streams // workers``, at least 1), or ``given`` where that is
+    smaller, so that every worker gets a group. The config's automatic value and the pool's
+    grouping both come from here."""
+    share = max(1, streams // max(1, workers))
+    return share if given is None else min(given, share)
 
 
 # Batches a host keeps at once: one being filled, HostFeed's default device_prefetch (4)
