@@ -2,7 +2,7 @@
 
 A worker tracing the documents it tokenizes (``StreamWorker.produce_traced``) writes each one's
 place here before tokenizing it; if a document kills the worker, the host reads which one it was
-(``actors.pool`` locating a poison document). A tiny actor of Ray's public API: each write is a
+(``actors.poison`` locating a poison document). A tiny actor of Ray's public API: each write is a
 round trip, so the place is stored before the tokenizer runs.
 """
 

@@ -5,16 +5,21 @@ The host holds the object refs, so it owns the chunks: a chunk already produced 
 worker. Requests per stream are bounded by ``prefetch``, so object-store memory is bounded by
 ``streams x prefetch x chunk bytes``.
 
-When a worker dies (or a call on it fails unexpectedly), the pool replaces it and reopens each
-of its streams from the ``state_after`` of the last chunk received for that stream; requests
-still in flight are issued again. Streams are deterministic, so no row is lost or repeated.
-A stream that keeps failing at the same position stops the run with an error naming it.
+The pool's parts, each in its own module:
+
+- ``actors.placement``: how many workers start, which worker runs which streams, and the
+  groups of streams one call serves (``streams_per_call``).
+- ``actors.in_flight``: the requests in flight per stream and the replies taken from them.
+- ``actors.recovery``: a dead worker replaced, its streams reopened where the host last
+  received them; a stream failing again and again at one place stops the run.
+- ``actors.poison``: with ``on_bad_document: skip``, the document that kills workers located
+  and skipped.
+- ``actors.resize``: the worker count changed while running, on request or by autoscale.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import time
@@ -22,15 +27,18 @@ from typing import Any
 
 import ray
 
-from actors.autoscale import AutoscalePolicy
+from actors.calls import WORKER_LOST, get_within, raise_worker_error
 from actors.faults import WorkerFaults
-from actors.mailbox import Mailbox
+from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
+from actors.placement import group_streams, place_groups, pool_size
+from actors.poison import PoisonLocator
+from actors.recovery import WorkerRecovery
+from actors.resize import PoolResizing
 from actors.worker import HOST_ENV, StreamWorker, WorkerError
 from ingest.config import Config
-from ingest.errors import StreamError
 from ingest.plan import UnitPlan
-from ingest.stream import Chunk, open_stream
+from ingest.stream import Chunk
 
 __all__ = ["WorkerPool"]
 
@@ -41,7 +49,7 @@ log = logging.getLogger("ingest.pool")
 PREFAULT_MAX_BYTES = 1 << 30
 
 
-class WorkerPool:
+class WorkerPool(InFlightRequests, WorkerRecovery, PoisonLocator, PoolResizing):
     """Ray workers producing chunks for the streams ``stream_ids``.
 
     Args:
@@ -75,14 +83,37 @@ class WorkerPool:
         self._timeout = get_timeout_s
         self._plan = plan
         self._plan_ref = ray.put(plan)
-        n = min(num_workers, len(self._stream_ids))
-        if config.autoscale:
-            n = max(config.min_workers, min(config.max_workers or n, n))
-            n = min(n, len(self._stream_ids))
         self._where: dict[int, ray.ObjectRef] = {}
         self._next_name = 0
         self.worker_faults = WorkerFaults()  # given to every worker started (actors.faults)
         self.poisoned = 0  # documents located as killing workers and skipped
+        n = pool_size(config, num_workers, len(self._stream_ids))
+        self._start_workers(n)
+        self._place(n)
+        # The result of the last grouped call fetched, which the group's other streams take
+        # their chunks from next: (ref, chunks).
+        self._fetched: tuple[Any, list] | None = None
+        # Streams asked for alone until they deliver a chunk: those of a worker that died. A
+        # grouped call that kills its worker fails every stream of the group, and the failures
+        # must land on the stream whose document kills it (poison documents, _count_failure).
+        self._solo: set[int] = set()
+        self._queues: dict[int, collections.deque] = {s: collections.deque()
+                                                      for s in self._stream_ids}
+        self._exhausted: set[int] = set()
+        # Where to reopen each stream if its worker dies: (state, rows to skip).
+        self._resume: dict[int, tuple[dict[str, Any] | None, int]] = {}
+        self._failures: dict[int, tuple[Any, int]] = {}  # stream -> (position, count)
+        # Failures of one stream in a row with no chunk delivered between them: preemptions can
+        # come back to back, a poison document fails every time.
+        self.max_failures = 5
+        self._start_autoscale(config)
+        self.chunks_received = 0
+        self.requests = 0  # actor calls for chunks: one per chunk, or per group of them
+        self.restarts = 0
+        self.wait_s = 0.0
+
+    def _start_workers(self, n: int) -> None:
+        """Starts ``n`` workers; those the cluster has no CPU for yet wait as pending."""
         # Workers take one CPU each. Those beyond the cluster's CPUs start as pending, like a
         # resize's (a node may join; they take streams once they run): the streams open on
         # the workers that can run instead of waiting for all of them. The cluster's total,
@@ -106,48 +137,19 @@ class WorkerPool:
                                    f"check the cluster (`ray status`) and the worker logs")
             self._pending = [w for w in self._workers if self._where[id(w)] not in ready]
             self._workers = [w for w in self._workers if self._where[id(w)] in ready]
-            start_now = len(self._workers)
-        # Groups of streams_per_call consecutive streams, each group on one worker: one call
-        # makes the next chunk of every stream of a group (fewer calls and objects). At most
-        # a worker's share of the streams, so that every worker gets a group; left null in the
-        # config, exactly that share.
-        share = len(self._stream_ids) // n
-        g = max(1, share if config.is_auto("streams_per_call")
-                else min(config.streams_per_call, share))
-        self._group = {s: tuple(self._stream_ids[i - i % g:i - i % g + g])
-                       for i, s in enumerate(self._stream_ids)}
-        self._placement = {s: self._workers[(i // g) % start_now]
-                           for i, s in enumerate(self._stream_ids)}
-        # The result of the last grouped call fetched, which the group's other streams take
-        # their chunks from next: (ref, chunks).
-        self._fetched: tuple[Any, list] | None = None
-        # Streams asked for alone until they deliver a chunk: those of a worker that died. A
-        # grouped call that kills its worker fails every stream of the group, and the failures
-        # must land on the stream whose document kills it (poison documents, _count_failure).
-        self._solo: set[int] = set()
-        self._queues: dict[int, collections.deque] = {s: collections.deque()
-                                                      for s in self._stream_ids}
-        self._exhausted: set[int] = set()
-        # Where to reopen each stream if its worker dies: (state, rows to skip).
-        self._resume: dict[int, tuple[dict[str, Any] | None, int]] = {}
-        self._failures: dict[int, tuple[Any, int]] = {}  # stream -> (position, count)
-        # Failures of one stream in a row with no chunk delivered between them: preemptions can
-        # come back to back, a poison document fails every time.
-        self.max_failures = 5
-        self._target_workers: int | None = None
-        self._autoscale: AutoscalePolicy | None = None
-        if config.autoscale:
-            self._autoscale = AutoscalePolicy(
-                min_workers=min(config.min_workers, len(self._stream_ids)),
-                max_workers=min(config.max_workers or len(self._stream_ids),
-                                len(self._stream_ids)),
-                window_s=config.autoscale_window_s)
-            self._scale_mark = (time.perf_counter(), 0.0)
-        self.chunks_received = 0
-        self.requests = 0  # actor calls for chunks: one per chunk, or per group of them
-        self.restarts = 0
-        self.resizes = 0
-        self.wait_s = 0.0
+
+    def _place(self, n: int) -> None:
+        """Groups the streams for a pool of ``n`` workers and places the groups on the
+        workers running (``actors.placement``)."""
+        config = self._config
+        g = config.streams_per_call_on(len(self._stream_ids), n)
+        self.streams_per_call = g  # reported: one call makes the chunks of this many streams
+        if g != config.streams_per_call:
+            log.info("streams_per_call=%d: this host's %d streams on %d workers (the config's "
+                     "%d counts num_streams=%d on workers=%d)", g, len(self._stream_ids), n,
+                     config.streams_per_call, config.num_streams, config.workers)
+        self._group = group_streams(self._stream_ids, g)
+        self._placement = place_groups(self._stream_ids, g, self._workers)
 
     @property
     def num_workers(self) -> int:
@@ -157,8 +159,8 @@ class WorkerPool:
         """Opens every stream at ``(state, rows to skip)`` (None state: the beginning)."""
         self._resume.update(states)
         refs = [self._placement[s].open.remote(s, st, skip) for s, (st, skip) in states.items()]
-        for out in _get(refs, self._timeout, "opening streams"):
-            _raise_worker_error(out)
+        for out in get_within(refs, self._timeout, "opening streams"):
+            raise_worker_error(out)
         # Every stream's first request before any second one: workers serve requests in order,
         # and the first step needs a chunk of every stream. (A first chunk of one step's rows
         # was tried: the first batch came no sooner beyond the noise, and the consumer then
@@ -176,156 +178,6 @@ class WorkerPool:
         self._exhausted.clear()
         self._failures.clear()
         self.open(states)
-
-    def _fill(self, s: int, depth: int | None = None, *, now: bool = False) -> None:
-        """Requests chunks of stream ``s`` until ``depth`` are in flight.
-
-        Queue entries are ``(ref, i)``: the chunk, or (``i`` not None) the i-th chunk of a
-        grouped call. A grouped call covers the streams of ``s``'s group on its worker that
-        need a chunk. The feed takes rows of every stream at the same pace, so a group's
-        streams run out of chunks at the same step, one after another: while another stream
-        of the group still holds its full queue, ``s`` leaves the request to it, unless ``now``
-        (``s`` needs a chunk at once).
-        """
-        depth = depth or self._depth
-        q = self._queues[s]
-        w = self._placement[s]
-        rows = self._config.chunk_rows
-        while len(q) < depth and s not in self._exhausted:
-            if len(self._group[s]) == 1 or s in self._solo:
-                self.requests += 1
-                q.append((w.produce.remote(s, rows), None))
-                continue
-            members = [t for t in self._group[s] if self._placement[t] is w
-                       and t not in self._exhausted and t not in self._solo]
-            need = [t for t in members if len(self._queues[t]) < depth]
-            if len(need) < len(members) and not now:
-                return
-            self.requests += 1
-            ref = w.produce_many.remote(need, rows)
-            for i, t in enumerate(need):
-                self._queues[t].append((ref, i))
-            now = False  # the rest may wait for the group again
-
-    def _take(self, entry, s: int) -> Any:
-        """The chunk (or WorkerError) a queue entry of stream ``s`` names."""
-        ref, i = entry
-        if i is None:
-            return _get(ref, self._timeout, f"a chunk of stream {s}")
-        if self._fetched is None or self._fetched[0] != ref:
-            self._fetched = (ref, list(_get(ref, self._timeout, f"a chunk of stream {s}")))
-        chunks = self._fetched[1]
-        out, chunks[i] = chunks[i], None  # held by the feed from here on, not by this cache
-        if all(c is None for c in chunks):
-            self._fetched = None
-        return out
-
-    def request_resize(self, n: int) -> None:
-        """Asks for ``n`` workers; applied by the thread that calls ``next_chunk``, at its next
-        call, so it is safe to call from any thread."""
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"resize to {n!r} workers: give a positive integer")
-        self._target_workers = n
-
-    def _autoscale_step(self) -> None:
-        """Applies the autoscale policy once per window (on the next_chunk thread)."""
-        now = time.perf_counter()
-        since, waited_before = self._scale_mark
-        if now - since < self._autoscale.window_s:
-            return
-        self._scale_mark = (now, self.wait_s)
-        queued = list(dict.fromkeys(ref for q in self._queues.values() for ref, _ in q))
-        ready = len(ray.wait(queued, num_returns=len(queued), timeout=0)[0]) if queued else 0
-        current = len(self._workers) + len(self._pending)
-        target = self._autoscale.decide(
-            workers=current, wait_fraction=(self.wait_s - waited_before) / (now - since),
-            ready_fraction=ready / len(queued) if queued else 1.0)
-        if target != current:
-            log.info("autoscale: %d -> %d workers", current, target)
-            self._target_workers = target
-
-    @property
-    def num_pending(self) -> int:
-        """Workers asked for but not started yet (waiting for a CPU, e.g. on Ray's autoscaler)."""
-        return len(self._pending)
-
-    def _apply_resize(self) -> None:
-        n = min(self._target_workers, len(self._stream_ids))
-        self._target_workers = None
-        have = len(self._workers) + len(self._pending)
-        if n == have:
-            return
-        self.resizes += 1
-        if n > have:
-            # New workers take streams only once they have started: a worker still waiting for
-            # a CPU (Ray's autoscaler adding a node, say) must never stall a stream.
-            self._pending += [self._spawn() for _ in range(n - have)]
-            log.info("growing the pool to %d workers (%d starting)", n, len(self._pending))
-            self._adopt_ready()
-            return
-        while self._pending and len(self._workers) + len(self._pending) > n:
-            ray.kill(self._pending.pop(), no_restart=True)
-        if len(self._workers) <= n:
-            return
-        keep, drop = self._workers[:n], self._workers[n:]
-        load = self._load()
-        moves = []
-        for w in drop:
-            for t in load[id(w)]:
-                idlest = min(keep, key=lambda k: len(load[id(k)]))
-                load[id(idlest)].append(t)
-                moves.append((t, idlest))
-        self._workers = keep
-        log.info("shrinking the pool to %d workers: moving streams %s", n, [t for t, _ in moves])
-        self._move(moves)
-        for w in drop:
-            ray.kill(w, no_restart=True)
-
-    def _load(self) -> dict[int, list[int]]:
-        load: dict[int, list[int]] = {id(w): [] for w in self._workers}
-        for t, w in self._placement.items():
-            load[id(w)].append(t)
-        return load
-
-    def _adopt_ready(self) -> None:
-        """Moves streams onto pending workers that have started, evening out the load."""
-        if not self._pending:
-            return
-        refs = [self._where[id(w)] for w in self._pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        started = [w for w, r in zip(self._pending, refs, strict=True) if r in ready]
-        if not started:
-            return
-        self._pending = [w for w in self._pending if all(w is not x for x in started)]
-        self._workers += started
-        load = self._load()
-        moves = []
-        while True:
-            busiest = max(self._workers, key=lambda w: len(load[id(w)]))
-            idlest = min(self._workers, key=lambda w: len(load[id(w)]))
-            if len(load[id(busiest)]) - len(load[id(idlest)]) <= 1:
-                break
-            t = load[id(busiest)].pop()
-            load[id(idlest)].append(t)
-            moves.append((t, idlest))
-        log.info("%d new worker(s) started: moving streams %s", len(started),
-                 [t for t, _ in moves])
-        self._move(moves)
-
-    def _move(self, moves: list[tuple[int, Any]]) -> None:
-        """Reopens streams on other (started) workers from the last chunk received."""
-        for t, w in moves:
-            self._placement[t] = w
-            self._queues[t].clear()
-        refs = [w.open.remote(t, *self._resume[t]) for t, w in moves]
-        for (t, w), ref in zip(moves, refs, strict=True):
-            try:
-                _raise_worker_error(_get(ref, self._timeout, f"reopening stream {t}"))
-            except _WORKER_LOST as e:
-                self._replace(w, t, e)
-        for t, _ in moves:
-            if t not in self._exhausted:
-                self._fill(t)
 
     def _spawn(self):
         name = f"w{self._next_name}"
@@ -365,27 +217,9 @@ class WorkerPool:
         if self._target_workers is not None:
             self._apply_resize()
         self._adopt_ready()
-        while True:
-            q = self._queues[s]
-            if not q:
-                self._fill(s, now=True)
-            entry = q.popleft()
-            t0 = time.perf_counter()
-            try:
-                out = self._take(entry, s)
-            except _WORKER_LOST as e:
-                self._replace(self._placement[s], s, e)
-                continue
-            finally:
-                waited = time.perf_counter() - t0
-                self.wait_s += waited
-                if waited > 0:
-                    self.metrics.wait_s.inc(waited)
-            if isinstance(out, WorkerError) and out.retryable:
-                self._replace(self._placement[s], s, out)
-                continue
-            break
-        _raise_worker_error(out)
+        out = self._receive(s)
+        raise_worker_error(out)
+        q = self._queues[s]
         self.chunks_received += 1
         self._solo.discard(s)
         self._resume[s] = (out.state_after, 0)
@@ -396,6 +230,36 @@ class WorkerPool:
             q.clear()
         else:
             self._fill(s)
+        self._count(s, out)
+        return out
+
+    def _receive(self, s: int) -> Any:
+        """The reply to stream ``s``'s oldest request: a chunk, or a WorkerError that no new
+        worker mends (bad input). A lost worker is replaced and the request made again."""
+        while True:
+            q = self._queues[s]
+            if not q:
+                self._fill(s, now=True)
+            entry = q.popleft()
+            t0 = time.perf_counter()
+            try:
+                out = self._take(entry, s)
+            except WORKER_LOST as e:
+                self._replace(self._placement[s], s, e)
+                continue
+            finally:
+                waited = time.perf_counter() - t0
+                self.wait_s += waited
+                if waited > 0:
+                    self.metrics.wait_s.inc(waited)
+            if isinstance(out, WorkerError) and out.retryable:
+                self._replace(self._placement[s], s, out)
+                continue
+            return out
+
+    def _count(self, s: int, out: Chunk) -> None:
+        """Counts a chunk of stream ``s`` received: rows per stream and worker, bytes held,
+        and the metrics."""
         # An upper bound on what the host holds: every request queued, plus at most one chunk
         # per stream in its hands (the feed drops a chunk before asking for the next).
         held = sum(len(q) for q in self._queues.values()) + len(self._stream_ids)
@@ -406,134 +270,10 @@ class WorkerPool:
         tags = {"stream": str(s)}
         if out.num_rows:  # Ray's counters refuse zero increments
             self.metrics.rows.inc(out.num_rows, tags=tags)
-        self.metrics.queue_depth.set(len(q), tags=tags)
+        self.metrics.queue_depth.set(len(self._queues[s]), tags=tags)
         self.metrics.held_bytes.set(held * self._config.chunk_bytes)
-        return out
-
-    def _replace(self, dead, s: int, cause: BaseException) -> None:
-        """Replaces worker ``dead`` (which failed serving stream ``s``) and reopens its streams
-        where the host last received them. A replacement that dies too is replaced again,
-        within the same budget of failures without progress."""
-        while True:
-            self._count_failure(s, cause)
-            log.warning("worker for stream %d failed (%s: %s); replacing it and reopening its "
-                        "streams from the last chunk received", s, type(cause).__name__,
-                        str(cause).splitlines()[0] if str(cause) else "")
-            i = next((i for i, w in enumerate(self._workers) if w is dead), None)
-            if i is None:
-                return  # Already replaced while serving another of its streams.
-            try:
-                ray.kill(dead, no_restart=True)
-            except Exception:  # noqa: BLE001 -- it may be gone already
-                pass
-            fresh = self._spawn()
-            self._workers[i] = fresh
-            self.restarts += 1
-            self.metrics.restarts.inc()
-            moved = [t for t, w in self._placement.items() if w is dead]
-            self._solo.update(moved)
-            for t in moved:
-                self._placement[t] = fresh
-                self._queues[t].clear()
-            refs = [fresh.open.remote(t, *self._resume[t]) for t in moved]
-            try:
-                outs = _get(refs, self._timeout, f"reopening streams {moved} on a new worker")
-            except _WORKER_LOST as e:
-                dead, cause = fresh, e
-                continue
-            for out in outs:
-                _raise_worker_error(out)
-            for t in moved:
-                if t not in self._exhausted:
-                    self._fill(t)
-            return
-
-    def _count_failure(self, s: int, cause: BaseException) -> None:
-        """Counts failures of stream ``s`` at its current position; too many stop the run,
-        unless ``on_bad_document: skip`` and the failures are a document that kills its
-        worker, which is then located and skipped."""
-        position = json.dumps(self._resume[s], sort_keys=True)
-        last, count = self._failures.get(s, (None, 0))
-        count = count + 1 if last == position else 1
-        self._failures[s] = (position, count)
-        if count >= self.max_failures and self._config.on_bad_document == "skip":
-            if self._skip_poison(s):
-                return
-        if count >= self.max_failures:
-            raise StreamError(
-                f"stream {s} failed {count} times in a row at {self._where_is(s)} without "
-                f"delivering a chunk (a poison document there, or workers lost faster than they "
-                f"restart); last error: {type(cause).__name__}: {cause}", stream_id=s) from cause
-
-    def _skip_poison(self, s: int) -> bool:
-        """Runs stream ``s``'s next chunk on a disposable worker that names each document
-        before tokenizing it. If that worker dies, the document it named is the poison: it is
-        added to the stream's resume state (skipped and counted as ``worker_crash``). Returns
-        False when the worker died without naming a document (the failures cannot be
-        located); True otherwise, and the failure count starts over."""
-        mailbox = Mailbox.remote()
-        probe = self._spawn()
-        state, skip = self._resume[s]
-        log.warning("stream %d failed %d times at %s: locating the document that kills its "
-                    "workers (on_bad_document: skip)", s, self.max_failures, self._where_is(s))
-        try:
-            _raise_worker_error(_get(probe.open.remote(s, state, skip), self._timeout,
-                                     f"opening stream {s} to locate a poison document"))
-            _get(probe.produce_traced.remote(s, self._config.chunk_rows, mailbox),
-                 self._timeout, f"a traced chunk of stream {s}")
-        except _WORKER_LOST:
-            raw = _get(mailbox.get.remote(), self._timeout, "the place a worker died at")
-            if raw is None:
-                return False
-            where = json.loads(raw)
-            stream = open_stream(self._config, self._plan, s)
-            if state is not None:
-                stream.set_state(state)
-            stream.add_poison(where)
-            self._resume[s] = (stream.get_state(), skip)
-            self._failures.pop(s, None)
-            self.poisoned += 1
-            log.warning("stream %d: skipping the document at %s that killed %d workers "
-                        "(counted as worker_crash)", s, where, self.max_failures + 1)
-            return True
-        finally:
-            ray.kill(mailbox, no_restart=True)
-            self._names.pop(id(probe), None)
-            ray.kill(probe, no_restart=True)
-        # The chunk came back: the failures were not this stream's data. Go on retrying.
-        self._failures.pop(s, None)
-        return True
-
-    def _where_is(self, s: int) -> str:
-        """The file and row at stream ``s``'s resume position, for error messages."""
-        state, skip = self._resume[s]
-        stream = open_stream(self._config, self._plan, s)
-        if state is not None:
-            stream.set_state(state)
-        where = stream.describe_head()
-        return where + (f", {skip} rows further" if skip else "")
 
     def close(self) -> None:
         for w in self._workers + self._pending:
             ray.kill(w, no_restart=True)
         self._workers, self._pending = [], []
-
-
-# A lost worker, node or object, or an unexpected failure inside a call: all are retried by
-# reopening the stream on a new worker. Bad input travels as a WorkerError value, not these.
-_WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError,
-                ray.exceptions.RayTaskError)
-
-
-def _raise_worker_error(out) -> None:
-    if isinstance(out, WorkerError):
-        raise StreamError(str(out), stream_id=out.stream_id, worker=out.worker) from out.cause
-
-
-def _get(refs, timeout: float, what: str):
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError as e:
-        raise TimeoutError(f"waited {timeout:.0f} s for {what} from the Ray workers; check the "
-                           f"cluster (`ray status`) and the worker logs") from e

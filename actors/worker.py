@@ -153,7 +153,7 @@ class StreamWorker:
     def produce_traced(self, stream_id: int, n_rows: int, mailbox) -> Chunk | WorkerError:
         """``produce``, tokenizing one document at a time and putting each one's place in
         ``mailbox`` (an ``actors.mailbox.Mailbox``) first: if a document kills this process,
-        the host reads there which one it was (``actors.pool`` locating a poison document)."""
+        the host reads there which one it was (``actors.poison`` locating a poison document)."""
         s = self._streams[stream_id]
         s.set_trace(lambda where: ray.get(mailbox.put.remote(json.dumps(where)),
                                           timeout=TRACE_TIMEOUT_S))

@@ -118,7 +118,7 @@ class UnitReader:
             pre = pre_bad[order]
             bad = np.where(pre != 0, pre, bad)
         for e, p, d in poison:
-            # Documents located as killing their worker (actors.pool), skipped by config.
+            # Documents located as killing their worker (actors.poison), skipped by config.
             if (e, p) == (epoch, pos) and d >= first_doc:
                 bad[d - first_doc] = BAD_REASONS.index("worker_crash")
         self._raise_first_bad(bad, info, unit, order)

@@ -39,13 +39,14 @@ def rule(seq_len: int, num_streams: int, workers: int, budget_mb: float | None,
     budget = (budget_mb if budget_mb is not None else AUTO_BUDGET_MB) * 2**20
     rows = min(CHUNK_TOKENS // seq_len, math.floor(budget / (num_streams * (prefetch + 1)
                                                              * row_bytes)))
-    return max(1, rows), math.ceil(num_streams / workers), prefetch
+    return max(1, rows), max(1, num_streams // workers), prefetch
 
 
 @pytest.mark.parametrize(("seq_len", "num_streams", "workers", "budget_mb"), [
     (1024, 8, 2, None),      # the measured case: 128 rows, 4 streams a call
     (4096, 8, 4, None),      # longer rows: fewer of them (32)
-    (64, 4, 3, None),        # short rows: 2048 rows; share rounded up (2)
+    (64, 4, 3, None),        # short rows: 2048 rows; share rounded down, as the pool does (1)
+    (1024, 4, 8, None),      # more workers than streams: one stream a call
     (200_000, 8, 2, None),   # rows longer than the token target: one row
     (4096, 256, 2, None),    # many streams: the default budget bounds the chunk (14 rows)
     (1024, 8, 2, 24),        # an explicit budget bounds it (8 x 3 x 24 KiB a row: 42 rows)
@@ -215,6 +216,8 @@ def test_ray_digest_auto_equals_the_old_explicit_settings(ray_cluster, corpus, s
     assert digest(batches) == digest(old_reference)
     # One call makes the chunks of a worker's share of the streams (8 // workers).
     assert {len(g) for g in pool._group.values()} == {8 // workers}
+    # The value the config reports (and logs) is the one the pool uses.
+    assert pool.streams_per_call == auto.streams_per_call == 8 // workers
     assert chunks >= 8
 
 
