@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ingest.cli import parse_args
-from ingest.config import ConfigError, load_config
+from ingest.config import Config, ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
@@ -106,7 +106,6 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
 
 def run_command(args) -> int:
     t_start = _process_start_time()
-    import jax  # before Ray starts: importing it beside ray.init slowed both (GIL and CPUs)
 
     overrides = {"workers": args.workers}
     # A config file is read before Ray starts (about 10 ms), to size a local cluster.
@@ -118,52 +117,98 @@ def run_command(args) -> int:
         ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
     held = contextlib.ExitStack()  # the checkpoint directory's lock, for the whole run
     try:
-        from jax_side import multihost
-        from jax_side.feed import HostFeed
-        from jax_side.sharding import batch_sharding
-
-        # Before anything touches a JAX device, so that the device list is the global one.
-        multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
-        lead = jax.process_index() == 0
-
-        if cfg is None:
-            cfg = demo_config(**overrides)
-        devices = jax.devices()
-        mesh = jax.make_mesh((len(devices),), ("data",))
-        if cfg.global_batch_size % len(devices):
-            print(f"ingest: error: global_batch_size={cfg.global_batch_size} is not divisible "
-                  f"by the {len(devices)} devices; change global_batch_size", file=sys.stderr)
-            if ray_started is not None:
-                ray_started.join()
-            return 2
-        sharding = batch_sharding(mesh, "data")
-        feed = HostFeed(cfg, sharding=sharding, backend=args.backend)
-        manager = None
-        if args.checkpoint_dir:
-            from jax_side import checkpoint
-
-            if lead:
-                # One run per checkpoint directory: a second one would interleave its steps.
-                held.enter_context(checkpoint.lock_directory(args.checkpoint_dir))
-            manager = checkpoint.open_manager(args.checkpoint_dir)
-            if args.resume:
-                restored = checkpoint.restore_latest_feed(manager)
-                if restored is not None:
-                    feed.set_state(restored)
-                    print(f"ingest: resumed at step {restored['step']} from "
-                          f"{args.checkpoint_dir}", file=sys.stderr)
-                else:
-                    print(f"ingest: no checkpoint in {args.checkpoint_dir}; starting fresh",
-                          file=sys.stderr)
+        opened = _open_feed(args, cfg, overrides, held)
     except BaseException:
         held.close()
         if ray_started is not None:
             ray_started.join()  # never exit with ray.init half done
         raise
+    if opened is None:  # the batch does not fit the devices (the message is printed)
+        if ray_started is not None:
+            ray_started.join()
+        return 2
+    feed, manager = opened
     if ray_started is not None:
         ray_started.wait()
     start_step = feed.get_state()["step"]
     digest = BatchDigest() if args.digest else None
+    try:
+        step, first_batch_at, killed = _feed_loop(args, feed, manager, digest, start_step)
+    finally:
+        if manager is not None:
+            manager.wait_until_finished()
+        held.close()
+        stats = feed.stats()
+        feed.close()
+        if args.backend == "ray":
+            import ray
+
+            # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
+            # first, so that with --json the summary really is the last line.
+            ray.shutdown()
+    stats["startup_s"] = (first_batch_at - t_start) if first_batch_at else float("nan")
+    if killed is not None:
+        stats["workers_killed"] = killed
+    stats["first_step"] = start_step
+    stats["last_step"] = step
+    if digest is not None:
+        stats["digest"] = digest.hexdigest()
+    return _report(args, stats, start_step)
+
+
+def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contextlib.ExitStack):
+    """Joins the JAX processes, builds the feed over all devices (on the demo when ``cfg`` is
+    None), opens the checkpoint directory (locked by the lead process, in ``held``) and
+    restores it with ``--resume``. Returns ``(feed, manager)`` (manager None without
+    ``--checkpoint-dir``), or None when the batch does not divide over the devices (after
+    printing why)."""
+    import jax
+
+    from jax_side import multihost
+    from jax_side.feed import HostFeed
+    from jax_side.sharding import batch_sharding
+
+    # Before anything touches a JAX device, so that the device list is the global one.
+    multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
+    if cfg is None:
+        cfg = demo_config(**overrides)
+    devices = jax.devices()
+    if cfg.global_batch_size % len(devices):
+        print(f"ingest: error: global_batch_size={cfg.global_batch_size} is not divisible "
+              f"by the {len(devices)} devices; change global_batch_size", file=sys.stderr)
+        return None
+    mesh = jax.make_mesh((len(devices),), ("data",))
+    feed = HostFeed(cfg, sharding=batch_sharding(mesh, "data"), backend=args.backend)
+    if not args.checkpoint_dir:
+        return feed, None
+    from jax_side import checkpoint
+
+    if jax.process_index() == 0:
+        # One run per checkpoint directory: a second one would interleave its steps.
+        held.enter_context(checkpoint.lock_directory(args.checkpoint_dir))
+    manager = checkpoint.open_manager(args.checkpoint_dir)
+    if args.resume:
+        restored = checkpoint.restore_latest_feed(manager)
+        if restored is not None:
+            feed.set_state(restored)
+            print(f"ingest: resumed at step {restored['step']} from {args.checkpoint_dir}",
+                  file=sys.stderr)
+        else:
+            print(f"ingest: no checkpoint in {args.checkpoint_dir}; starting fresh",
+                  file=sys.stderr)
+    return feed, manager
+
+
+def _feed_loop(args, feed, manager, digest: BatchDigest | None, start_step: int
+               ) -> tuple[int, float | None, int | None]:
+    """Takes batches until ``--steps`` or the end of data: digests, checkpoints, the progress
+    bar, the simulated step, the worker killer. Returns the last step, the time of the first
+    batch (None if none came) and the workers killed (None without ``--kill-worker-every``)."""
+    import jax
+
+    from jax_side import checkpoint, multihost
+
+    lead = jax.process_index() == 0
     digest_log = (open(args.digest_log, "a", encoding="utf-8") if args.digest_log and lead
                   else None)
     bar = None
@@ -181,11 +226,8 @@ def run_command(args) -> int:
 
         killer = WorkerKiller(feed, args.kill_worker_every)
     try:
-        if args.steps is not None and step >= args.steps:
-            batches = iter(())
-        else:
-            batches = feed
-        for batch in batches:
+        done = args.steps is not None and step >= args.steps
+        for batch in () if done else feed:
             if first_batch_at is None:
                 first_batch_at = time.time()
             step += 1
@@ -200,11 +242,7 @@ def run_command(args) -> int:
                 checkpoint.save_feed(manager, step, feed.get_state())
                 saved = step
             if bar is not None:
-                bar.update(1)
-                if step % 10 == 0:
-                    span = time.perf_counter() - (feed.first_batch_time or time.perf_counter())
-                    bar.set_postfix_str(f"{feed.tokens / max(1e-9, span):,.0f} tok/s",
-                                        refresh=False)
+                _advance(bar, feed, step)
             if args.step_time:
                 time.sleep(args.step_time)  # the simulated training step
             if args.steps is not None and step >= args.steps:
@@ -219,27 +257,27 @@ def run_command(args) -> int:
             bar.close()
         if digest_log is not None:
             digest_log.close()
-        if manager is not None:
-            manager.wait_until_finished()
-        held.close()
-        stats = feed.stats()
-        feed.close()
-        if args.backend == "ray":
-            import ray
+    return step, first_batch_at, (killer.killed if killer is not None else None)
 
-            # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
-            # first, so that with --json the summary really is the last line.
-            ray.shutdown()
-    stats["startup_s"] = (first_batch_at - t_start) if first_batch_at else float("nan")
-    if killer is not None:
-        stats["workers_killed"] = killer.killed
-    stats["first_step"] = start_step
-    stats["last_step"] = step
-    if digest is not None:
-        stats["digest"] = digest.hexdigest()
+
+def _advance(bar, feed, step: int) -> None:
+    """One step on the progress bar; the rate every 10 steps."""
+    bar.update(1)
+    if step % 10 == 0:
+        span = time.perf_counter() - (feed.first_batch_time or time.perf_counter())
+        bar.set_postfix_str(f"{feed.tokens / max(1e-9, span):,.0f} tok/s", refresh=False)
+
+
+def _report(args, stats: dict[str, Any], start_step: int) -> int:
+    """Prints the summary (the lead process, for every host) and returns the exit status:
+    1 for a fresh run that delivered nothing, unless ``--allow-empty``."""
+    import jax
+
+    from jax_side import multihost
+
     if jax.process_count() > 1:
         stats = multihost.combine_stats(multihost.allgather_json(stats, "the run summaries"))
-        if not lead:
+        if jax.process_index() != 0:
             return 0
     stats = _json_safe(stats)
     if not stats.get("documents_counted", True):
