@@ -256,17 +256,7 @@ def materialize(config: Config, plan: UnitPlan, out: str,
     header = manifest_header(config, plan, segment_rows)
     os.makedirs(out, exist_ok=True)
     with _exclusive(out):
-        saved = read_manifest(out)
-        if saved is None:
-            other = sorted(n for n in os.listdir(out) if not n.startswith("."))
-            if other:
-                raise ValueError(f"--out {out} is not empty ({', '.join(other[:5])}"
-                                 f"{', ...' if len(other) > 5 else ''}) and has no "
-                                 f"{MANIFEST}; choose an empty or new directory")
-        else:
-            _check_same_job(saved, header, out)
-        disk = [_scan_stream(out, s) for s in range(config.num_streams)]
-        write_json_atomic(os.path.join(out, MANIFEST), _manifest(header, disk))
+        disk = _open_directory(out, header, config.num_streams)
         skipped = sum(len(st.records) for st in disk)
         rows0 = sum(r["rows"] for st in disk for r in st.records)
         tokens0 = sum(r["tokens"] for st in disk for r in st.records)
@@ -295,17 +285,7 @@ def materialize(config: Config, plan: UnitPlan, out: str,
                     tokens += int(np.count_nonzero(
                         chunk.fields[FIELDS.index("inputs_segmentation")]))
                     if chunk.exhausted:
-                        if run.writer is not None:
-                            run.disk.records.append(run.writer.commit(chunk.state_after, 0))
-                            run.writer = None
-                            written += 1
-                        st = run.disk
-                        run.disk.complete = {
-                            "segments": len(st.records), "rows": sum(r["rows"] for r in st.records),
-                            "tokens": sum(r["tokens"] for r in st.records),
-                            "state": chunk.state_after}
-                        write_json_atomic(os.path.join(out, stream_dir(s), COMPLETE),
-                                          run.disk.complete)
+                        written += _finish_stream(run, chunk, out)
                         del runs[s]
                     if progress is not None:
                         progress.update(s, chunk)
@@ -323,6 +303,39 @@ def materialize(config: Config, plan: UnitPlan, out: str,
         segments_skipped=skipped, rows=rows0 + rows, tokens=tokens0 + tokens,
         rows_written=rows, tokens_written=tokens, seconds=time.perf_counter() - t0,
         complete=manifest["complete"])
+
+
+def _open_directory(out: str, header: dict[str, Any], num_streams: int) -> list[_StreamOnDisk]:
+    """Checks that ``out`` is empty or holds this job, reads its streams' committed records
+    (deleting what was not committed) and writes the manifest of what is there."""
+    saved = read_manifest(out)
+    if saved is None:
+        other = sorted(n for n in os.listdir(out) if not n.startswith("."))
+        if other:
+            raise ValueError(f"--out {out} is not empty ({', '.join(other[:5])}"
+                             f"{', ...' if len(other) > 5 else ''}) and has no "
+                             f"{MANIFEST}; choose an empty or new directory")
+    else:
+        _check_same_job(saved, header, out)
+    disk = [_scan_stream(out, s) for s in range(num_streams)]
+    write_json_atomic(os.path.join(out, MANIFEST), _manifest(header, disk))
+    return disk
+
+
+def _finish_stream(run: _StreamRun, chunk: Chunk, out: str) -> int:
+    """Commits an exhausted stream's last segment and marks it complete; returns segments
+    committed."""
+    committed = 0
+    if run.writer is not None:
+        run.disk.records.append(run.writer.commit(chunk.state_after, 0))
+        run.writer = None
+        committed = 1
+    records = run.disk.records
+    run.disk.complete = {"segments": len(records), "rows": sum(r["rows"] for r in records),
+                         "tokens": sum(r["tokens"] for r in records),
+                         "state": chunk.state_after}
+    write_json_atomic(os.path.join(out, stream_dir(run.stream_id), COMPLETE), run.disk.complete)
+    return committed
 
 
 def _write_chunk(run: _StreamRun, chunk: Chunk, out: str, seq_len: int,

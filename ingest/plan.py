@@ -76,6 +76,35 @@ def build_plan(config: Config) -> UnitPlan:
     """
     if any(s.kind == "materialized" for s in config.sources):
         return build_replay_plan(config)
+    files, file_source, skipped = _described_files(config)
+    cut = _unit_rows_for_streams(files, file_source, config)
+    units = _cut_units(files, file_source, cut)
+    _check_units_fill_streams(config, units, skipped)
+    _report_large_groups(files, min(cut.values(), default=config.unit_rows), config.deal)
+    cut_rows: Any = config.unit_rows
+    if any(r != config.unit_rows for r in cut.values()):
+        cut_rows = [config.unit_rows, [cut.get(si) for si in range(len(config.sources))]]
+    rest = ([[s.text_column for s in config.sources]] + [cut_rows]
+            + ([[s.tokens_column for s in config.sources]]
+               if any(s.tokens_column for s in config.sources) else []))
+
+    def digest(paths: list[str]) -> str:
+        blob = json.dumps([[p, f.format, f.size, list(f.row_groups), f.content_key]
+                           for p, f in zip(paths, files, strict=True)] + rest)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    return UnitPlan(files=tuple(files),
+                    text_columns=tuple(s.column for s in config.sources),
+                    units=units, skipped_files=tuple(skipped),
+                    fingerprint=digest([f.path for f in files]),
+                    pretokenized=tuple(s.tokens_column is not None for s in config.sources),
+                    content_fingerprint=digest(_relative_paths(files, file_source)))
+
+
+def _described_files(config: Config
+                     ) -> tuple[list[FileInfo], list[int], list[tuple[str, str, str]]]:
+    """Every source's files, described (in parallel), with the source of each, and the files
+    skipped as bad (``on_bad_file: skip``) as (path, reason, message)."""
     files: list[FileInfo] = []
     file_source: list[int] = []
     skipped: list[tuple[str, str, str]] = []
@@ -102,9 +131,12 @@ def build_plan(config: Config) -> UnitPlan:
             raise info
         files.append(info)
         file_source.append(si)
+    return files, file_source, skipped
 
-    cut = _unit_rows_for_streams(files, file_source, config)
-    units = _cut_units(files, file_source, cut)
+
+def _check_units_fill_streams(config: Config, units: Units, skipped: list) -> None:
+    """Refuses an empty corpus, a mixture source with fewer units than streams, and a plan
+    with fewer units than streams (units are already cut down to fit where rows allow)."""
     if not len(units):
         srcs = ", ".join(str(list(s.paths)) for s in config.sources)
         raise ValueError(f"the corpus is empty: sources {srcs} hold no rows"
@@ -127,25 +159,6 @@ def build_plan(config: Config) -> UnitPlan:
             f"the plan has {len(units)} unit(s) for num_streams={config.num_streams}: the corpus "
             f"has {int(units.num_rows.sum())} row(s), fewer than the streams even in units of "
             f"one row, so some streams would get no data. Lower num_streams, or add data.")
-    _report_large_groups(files, min(cut.values(), default=config.unit_rows), config.deal)
-    cut_rows: Any = config.unit_rows
-    if any(r != config.unit_rows for r in cut.values()):
-        cut_rows = [config.unit_rows, [cut.get(si) for si in range(len(config.sources))]]
-    rest = ([[s.text_column for s in config.sources]] + [cut_rows]
-            + ([[s.tokens_column for s in config.sources]]
-               if any(s.tokens_column for s in config.sources) else []))
-
-    def digest(paths: list[str]) -> str:
-        blob = json.dumps([[p, f.format, f.size, list(f.row_groups), f.content_key]
-                           for p, f in zip(paths, files, strict=True)] + rest)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    return UnitPlan(files=tuple(files),
-                    text_columns=tuple(s.column for s in config.sources),
-                    units=units, skipped_files=tuple(skipped),
-                    fingerprint=digest([f.path for f in files]),
-                    pretokenized=tuple(s.tokens_column is not None for s in config.sources),
-                    content_fingerprint=digest(_relative_paths(files, file_source)))
 
 
 def _relative_paths(files: list[FileInfo], file_source: list[int]) -> list[str]:
