@@ -159,7 +159,7 @@ class WorkerKiller:
     def _loop(self) -> None:
         while not self._stop.wait(self._every):
             # The feed's Ray pool once it runs (None before; the local backend has none).
-            pool = self._feed._source
+            pool = self._feed._intake.source
             if pool is None or not hasattr(pool, "worker_faults"):
                 continue
             what = kill_random_worker(pool, self._rng)

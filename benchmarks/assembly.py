@@ -61,7 +61,7 @@ def _arrays_then_copy(local: np.ndarray, sharding, batch: int) -> tuple[float, f
     seconds for np.copy of the same bytes."""
     import jax
 
-    from jax_side.feed import global_arrays
+    from jax_side.batch_assembly import global_arrays
 
     t0 = time.perf_counter()
     arrays = global_arrays(local, sharding, batch)
@@ -105,14 +105,14 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
                            "devices": jax.local_device_count(), "rows_per_stream": k}
     try:
         feed = HostFeed(cfg, sharding=sharding, backend="local", plan=plan)
-        feed._source = _ReplaySource(chunks)
+        feed._intake.source = _ReplaySource(chunks)
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
             step = feed._assemble()
             jax.block_until_ready(step.arrays)
             times.append(time.perf_counter() - t0)
-        feed._source = None
+        feed._intake.source = None
         out["hostfeed_us"] = _median_us(times)
     except (AttributeError, TypeError) as e:
         # HostFeed's private assembly interface changed: keep the decomposition below.

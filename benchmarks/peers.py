@@ -83,7 +83,7 @@ class _Timer:
 
     def _steady(self) -> dict[str, Any]:
         """The rate over the later part of the run, as ``HostFeed.stats()`` takes ours."""
-        from jax_side.feed import steady_window_start  # noqa: PLC0415 (jax is loaded by now)
+        from jax_side.feed_stats import steady_window_start  # noqa: PLC0415 (not in the startup)
 
         m = steady_window_start(self.steps)
         if m is None:

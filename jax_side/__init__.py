@@ -6,7 +6,7 @@ __all__ = ["EvalFeed", "FeedIterator", "HostFeed", "HostRows", "LocalSource", "b
            "host_rows"]
 
 _WHERE = {"EvalFeed": "eval_feed", "FeedIterator": "grain_iter", "HostFeed": "feed",
-          "LocalSource": "feed",
+          "LocalSource": "chunk_intake",
           "HostRows": "sharding", "batch_sharding": "sharding", "host_rows": "sharding"}
 
 

@@ -15,12 +15,52 @@ from ingest.plan import deal_units
 from ingest.stream_head import STATE_VERSION, StreamState
 from ingest.units import UnitPlan
 
-__all__ = ["HOST_STATE_VERSION", "check_compatible", "validate_state"]
+__all__ = ["HOST_STATE_VERSION", "StateHeader", "check_compatible", "check_restorable",
+           "validate_state"]
 
 log = logging.getLogger(__name__)
 
 HOST_STATE_VERSION = 1
 """The version ``HostFeed.get_state`` writes; restoring accepts this one only."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StateHeader:
+    """What every host state of one feed holds besides its position: the version and the
+    fingerprints that ``check_compatible`` compares on restore.
+
+    Attributes:
+      config_fingerprint: ``Config.fingerprint()``.
+      config: ``Config.output_fields()``, the fields that decide the batches.
+      corpus_fingerprint: the plan's fingerprint (the files and their locations).
+      corpus_content: the plan's content fingerprint, without the locations ("": none).
+    """
+
+    config_fingerprint: str
+    config: dict[str, Any]
+    corpus_fingerprint: str
+    corpus_content: str
+
+    @classmethod
+    def of(cls, config: Config, plan: UnitPlan) -> StateHeader:
+        # Constant for the feed; computed once (per step it would be a sixth of the host's cost).
+        return cls(config.fingerprint(), config.output_fields(), plan.fingerprint,
+                   plan.content_fingerprint)
+
+    def state(self, step: int, streams: dict[str, Any]) -> dict[str, Any]:
+        """The host state after ``step`` steps, with each stream's entry in ``streams``."""
+        state = {
+            "version": HOST_STATE_VERSION,
+            "config_fingerprint": self.config_fingerprint,
+            "config": self.config,
+            "corpus_fingerprint": self.corpus_fingerprint,
+            "step": step,
+            "streams": streams,
+        }
+        if self.corpus_content:
+            # Without the files' locations: lets a moved corpus restore (check_compatible).
+            state["corpus_content"] = self.corpus_content
+        return state
 
 
 def _moved(state: dict[str, Any], now: dict[str, Any], plan: UnitPlan) -> bool:
@@ -64,7 +104,7 @@ def check_compatible(state: dict[str, Any], config: Config, plan: UnitPlan) -> N
                         f"rewritten"
                         + ("" if "corpus_content" in state or not plan.content_fingerprint else
                            "; a corpus moved elsewhere restores only from checkpoints saved "
-                           "with its content fingerprint (this version on)"))
+                           "with its content fingerprint (the state's corpus_content)"))
     if moved:
         log.warning("the corpus moved (sources[].paths %s in the checkpoint, %s now): the same "
                     "files relative to their folders, with the same sizes, row groups and "
@@ -74,6 +114,22 @@ def check_compatible(state: dict[str, Any], config: Config, plan: UnitPlan) -> N
         raise ValueError("cannot restore the feed: " + "; ".join(problems)
                          + ". Restore with the original config and corpus, or start fresh.")
     validate_state(state, config, plan)
+
+
+def check_restorable(state: dict[str, Any], config: Config, plan: UnitPlan,
+                     streams: tuple[int, ...]) -> None:
+    """Checks that a saved host state can continue ``streams`` under ``config`` over ``plan``:
+    ``check_compatible``, and an entry for every one of ``streams`` (a merged multi-host state
+    may hold more).
+
+    Raises:
+      ValueError: incompatible config or corpus (naming what changed), missing streams.
+    """
+    check_compatible(state, config, plan)
+    missing = [s for s in streams if str(s) not in state["streams"]]
+    if missing:
+        raise ValueError(f"the state has no entry for stream(s) {missing}; it was saved "
+                         f"with another num_streams or is incomplete")
 
 
 # -- every field against the plan --------------------------------------------------------------

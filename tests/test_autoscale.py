@@ -62,7 +62,7 @@ def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_clu
         expected = digest(feed)
     with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
         got = digest(feed)
-        grown = feed._source.resizes
+        grown = feed._intake.source.resizes
     assert got == expected
     assert grown >= 1, "the host waited on one worker, so the pool should have grown"
 
@@ -85,7 +85,7 @@ def test_workers_beyond_the_cluster_cpus_start_pending_and_the_batches_are_uncha
         # Bounded: without pending workers, opening the streams times out instead.
         with HostFeed(cfg, sharding=sharding, backend="ray", get_timeout_s=60) as feed:
             got = digest(feed)
-            pool = feed._source
+            pool = feed._intake.source
             pending = pool.num_pending
             stats = feed.stats()
     assert got == expected

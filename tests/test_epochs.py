@@ -210,7 +210,7 @@ def test_reset_after_epoch_gives_the_same_batches_on_every_pass(request, corpus,
     assert "reset_after_epoch" not in config.output_fields()  # batches of a pass unchanged
     with HostFeed(config, sharding=sharding, backend=backend, workers=2) as feed:
         first = [step_digest(b) for b in drain(feed)]
-        pool = feed._source
+        pool = feed._intake.source
         assert feed.get_state()["step"] == len(first)
         second = [step_digest(b) for b in drain(feed)]
         # A pass broken off mid-way restarts too.
@@ -219,7 +219,7 @@ def test_reset_after_epoch_gives_the_same_batches_on_every_pass(request, corpus,
         assert feed.stats()["passes"] == 4
         assert feed.stats()["steps"] == 3 * len(first) + 2
         if backend == "ray":
-            assert feed._source is pool, "a new pass should reuse the running workers"
+            assert feed._intake.source is pool, "a new pass should reuse the running workers"
             assert pool.restarts == 0
     assert first == second == third and len(first) > 2
     # Without it, the ended feed stays ended.

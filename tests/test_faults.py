@@ -60,13 +60,13 @@ def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, c
 
     def kill_some(step, feed):
         if step % 7 == 3:
-            what = faults.kill_random_worker(feed._source, rng)  # SIGKILL, as the OOM killer
+            what = faults.kill_random_worker(feed._intake.source, rng)  # SIGKILL, as the OOM killer
             assert what is not None, "no worker to kill"
             killed.append(what)
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, kill_some)
-        restarts = feed._source.restarts
+        restarts = feed._intake.source.restarts
     assert got == expected
     assert len(killed) >= 3
     assert restarts >= len(killed) - 1  # a kill may land while its worker idles at the end
@@ -85,7 +85,7 @@ def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus,
     step_time = threading.Event()
 
     def resize(step, feed):
-        pool = feed._source
+        pool = feed._intake.source
         started.append((pool.num_workers, pool.num_pending))
         if pool.num_pending:
             # Let pending workers start (bounded), so the next steps see them take streams.
@@ -98,7 +98,7 @@ def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus,
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, resize)
-        pool = feed._source
+        pool = feed._intake.source
         assert pool.resizes == len(sizes)
         # Workers take streams once started; the last one may still be starting at the end.
         assert pool.num_workers + pool.num_pending == 2
@@ -125,11 +125,11 @@ def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(
             # Far enough ahead that no request for that row is in flight yet; odd, so the
             # failure lands mid-chunk (chunk_rows=2).
             at = (step + 1) * k + (cfg.prefetch + 3) * cfg.chunk_rows + 1
-            faults.inject_error(feed._source, 5, at)
+            faults.inject_error(feed._intake.source, 5, at)
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, inject)
-        restarts = feed._source.restarts
+        restarts = feed._intake.source.restarts
     assert got == expected
     assert restarts == 1
 

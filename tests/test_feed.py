@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
 from jax_side import HostFeed, batch_sharding, private_api
-from jax_side.feed import steady_window_start
+from jax_side.feed_stats import steady_window_start
 from jax_side.host_buffers import aligned_empty
 
 DEADLINE_S = 120.0  # generous for 2 CPUs; a healthy drain of this corpus takes a few seconds
@@ -195,7 +195,7 @@ def test_ray_feed_digest_matches_local_for_any_worker_count(ray_cluster, config,
                   plan=plan, get_timeout_s=60) as feed:
         batches = drain(feed)
         stats = feed.stats()
-        pool = feed._source
+        pool = feed._intake.source
         chunks, requests = pool.chunks_received, pool.requests
     # Grouped: the streams of a group run out of chunks at the same step, so (start and end
     # aside) one call serves them all. Groups are at most a worker's share of the streams.
@@ -610,9 +610,9 @@ def test_bad_document_error_row_is_the_row_within_the_file(tmp_path, sharding_1d
 
 def test_handoff_holds_at_most_its_size_keeps_order_and_stops():
     """The buffer between HostFeed's assembly thread and the consumer."""
-    from jax_side.feed import _Handoff
+    from jax_side.prefetch import Handoff
 
-    h, stop = _Handoff(2), threading.Event()
+    h, stop = Handoff(2), threading.Event()
     put: list[int] = []
 
     def producer():
@@ -654,7 +654,7 @@ def test_stats_report_the_live_worker_count_after_the_pool_resizes_itself(
 
     def shrink(f: HostFeed) -> None:
         if f.steps == 1:
-            f._source.request_resize(1)  # what AutoscalePolicy's decision does
+            f._intake.source.request_resize(1)  # what AutoscalePolicy's decision does
 
     with feed:
         batches = drain(feed, after_each=shrink)

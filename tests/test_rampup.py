@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, ConfigError, build_plan, step_digest
 from jax_side import HostFeed, batch_sharding
-from jax_side.feed import steps_covering
+from jax_side.iterator_length import steps_covering
 
 # B=16 rows, S=4 streams; factors 0.25, 0.5, 1.0 give 4, 8, 16 rows: k_t = 1, 2, 4.
 RAMP = {0: 0.25, 2: 0.5, 5: 1.0}

@@ -211,7 +211,7 @@ def test_ray_digest_auto_equals_the_old_explicit_settings(ray_cluster, corpus, s
     auto = small(corpus, workers=workers)
     with HostFeed(auto, sharding=sharding, backend="ray", get_timeout_s=60) as feed:
         batches = drain(feed)
-        pool = feed._source
+        pool = feed._intake.source
         chunks = pool.chunks_received
     assert digest(batches) == digest(old_reference)
     # One call makes the chunks of a worker's share of the streams (8 // workers).

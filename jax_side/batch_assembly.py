@@ -1,0 +1,106 @@
+"""Batch assembly: one step's rows of this host, then the global arrays on the user's sharding.
+
+Stream j of the host's block gives rows ``[j*k, (j+1)*k)`` of the host's local batch (k rows
+per stream at this step); a stream that ended fills the rest of its rows with zeros (padding).
+The local batch ``[6, rows, seq_len]`` becomes one ``jax.Array`` per field of shape
+``[B, seq_len]`` with ``jax.make_array_from_process_local_data``, or with one batched transfer
+when a single process holds the whole batch::
+
+    host rows  stream 0: r0 r1 | stream 1: r0 pad     k = 2
+    local      [6, 4, seq_len] -> inputs, targets, ... each [B, seq_len] on the sharding
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ingest.shift import FIELDS
+from jax_side.chunk_intake import ChunkIntake
+from jax_side.host_buffers import aligned_empty
+from jax_side.private_api import put_arrays
+from jax_side.sharding import HostRows
+
+__all__ = ["AssembledStep", "LocalBatch", "assembled_step", "fill_local_batch",
+           "global_arrays"]
+
+
+def _device_put_fields(local: np.ndarray, sharding: NamedSharding) -> dict[str, jax.Array]:
+    """The fields of ``local`` as arrays on ``sharding``, which covers all of them here."""
+    return dict(zip(FIELDS, put_arrays(list(local), sharding), strict=True))
+
+
+def global_arrays(local: np.ndarray, sharding: NamedSharding,
+                  global_batch_size: int) -> dict[str, jax.Array]:
+    """The six global ``[global_batch_size, seq_len]`` arrays from this process's rows
+    (``local``: ``[6, rows, seq_len]``, from ``host_buffers.aligned_empty``)."""
+    if jax.process_count() == 1:
+        # One process holds the whole batch: one batched transfer of the six fields, not six
+        # make_array calls (0.29 ms on 1 device, 0.39 on 8).
+        return _device_put_fields(local, sharding)
+    shape = (global_batch_size, local.shape[2])
+    return {name: jax.make_array_from_process_local_data(sharding, local[i], shape)
+            for i, name in enumerate(FIELDS)}
+
+
+@dataclasses.dataclass
+class LocalBatch:
+    """One step's rows of this host.
+
+    Attributes:
+      fields: ``[6, rows, seq_len]``, the fields in ``ingest.shift.FIELDS`` order.
+      real_rows: rows taken from the streams.
+      padding_rows: all-zero rows of streams that ended.
+    """
+
+    fields: np.ndarray
+    real_rows: int
+    padding_rows: int
+
+
+@dataclasses.dataclass
+class AssembledStep:
+    """A finished step, waiting for the consumer.
+
+    Attributes:
+      arrays: the global arrays, by field.
+      state: the host state after this step.
+      tokens: real tokens of this host's rows.
+      rows: this host's rows (real and padding).
+      padding_rows: of those, padding rows.
+      padding_tokens: padding tokens of this host's rows.
+    """
+
+    arrays: dict[str, jax.Array]
+    state: dict[str, Any]
+    tokens: int
+    rows: int
+    padding_rows: int
+    padding_tokens: int
+
+
+def fill_local_batch(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int) -> LocalBatch:
+    """Takes ``k`` rows of each of ``rows.streams`` from ``intake`` into a new local batch."""
+    local = aligned_empty((len(FIELDS), rows.stop - rows.start, seq_len))
+    got = padding_rows = 0
+    for j, s in enumerate(rows.streams):
+        n = intake.take(s, local, j * k, k)
+        if n < k:
+            local[:, j * k + n:(j + 1) * k] = 0  # the stream ended: padding rows
+        got += n
+        padding_rows += k - n
+    return LocalBatch(local, got, padding_rows)
+
+
+def assembled_step(local: LocalBatch, sharding: NamedSharding, global_batch_size: int,
+                   state: dict[str, Any]) -> AssembledStep:
+    """The step of ``local``'s rows, with ``state`` (the host state after it)."""
+    seg = local.fields[FIELDS.index("inputs_segmentation")]
+    tokens = int(np.count_nonzero(seg))
+    arrays = global_arrays(local.fields, sharding, global_batch_size)
+    return AssembledStep(arrays, state, tokens, local.fields.shape[1], local.padding_rows,
+                         seg.size - tokens)

@@ -1,0 +1,209 @@
+"""Chunk intake: the chunks of a host's owned streams and where the host is in each stream.
+
+A chunk source (Ray's ``actors.pool.WorkerPool``, or ``LocalSource`` in this process) gives
+the next chunk of a stream on request. ``ChunkIntake`` keeps one ``StreamCursor`` per owned
+stream and copies rows from the current chunks into a batch; a stream's state is saved at chunk
+ends, so a cursor is that state plus the rows taken past it::
+
+    stream s   | chunk (state_after = A) | chunk (state_after = B) |
+                         taken: 2 ^          -> snapshot {state: A, taken: 2}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from ingest.config import Config
+from ingest.plan import UnitPlan
+from ingest.shift import FIELDS
+from ingest.stream import Chunk, open_stream
+from jax_side.feed_stats import PoolStats
+
+__all__ = ["ChunkIntake", "ChunkSource", "LocalSource", "StreamCursor"]
+
+
+class ChunkSource(Protocol):
+    """Where the chunks of a host's streams come from."""
+
+    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+        """Starts each stream at its saved state (None: its beginning), skipping the rows."""
+
+    def next_chunk(self, s: int) -> Chunk:
+        """The next chunk of stream ``s``."""
+
+    def close(self) -> None:
+        """Stops producing."""
+
+
+class LocalSource:
+    """The ``local`` backend: the same streams, run in this process, without Ray."""
+
+    def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int]):
+        self._config = config
+        self._streams = {s: open_stream(config, plan, s) for s in stream_ids}
+        self.num_workers = 0
+        self.wait_s = 0.0
+
+    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+        for s, (st, skip) in states.items():
+            if st is not None:
+                self._streams[s].set_state(st)
+            if skip:
+                self._streams[s].produce(skip)
+
+    def next_chunk(self, s: int) -> Chunk:
+        t0 = time.perf_counter()
+        c = self._streams[s].produce(self._config.chunk_rows)
+        self.wait_s += time.perf_counter() - t0
+        return c
+
+    def close(self) -> None:
+        self._streams.clear()
+
+
+@dataclasses.dataclass
+class StreamCursor:
+    """Where one stream is in the host's view: ``base`` is the state after the last chunk fully
+    taken (None: the stream's beginning); ``extra`` rows past it were skipped on restore, and
+    ``taken`` rows of the current chunk were used. ``documents``: the stream's documents
+    counter after ``base`` and ``extra`` (None: ``base``'s own)."""
+
+    base: dict[str, Any] | None = None
+    extra: int = 0
+    chunk: Chunk | None = None
+    taken: int = 0
+    documents: int | None = None
+
+    def passed(self) -> int:
+        """The stream's documents counter after the rows taken (states are saved at chunk
+        ends; chunks count documents by row)."""
+        if self.chunk is not None and self.taken and self.chunk.documents is not None:
+            return int(self.chunk.documents[self.taken - 1])
+        if self.documents is not None:
+            return self.documents
+        return int((self.base or {}).get("documents", 0))
+
+    def snapshot(self) -> dict[str, Any]:
+        if self.chunk is not None and self.taken == self.chunk.num_rows:
+            return {"state": self.chunk.state_after, "taken": 0, "documents": self.passed()}
+        return {"state": self.base, "taken": self.extra + self.taken, "documents": self.passed()}
+
+
+class ChunkIntake:
+    """The owned streams' cursors and the source of their chunks.
+
+    Args:
+      config: the validated config.
+      plan: the unit plan.
+      streams: the stream ids this host owns.
+      backend: ``ray`` (a ``WorkerPool``; Ray must be initialized) or ``local``.
+      workers: Ray worker actors of the pool.
+      get_timeout_s: the longest one chunk may take (ray).
+
+    Attributes:
+      cursors: each owned stream's ``StreamCursor``.
+      source: the running chunk source; None before ``open`` and after ``close``.
+      pool_stats: the pool's counters, kept over ``close``.
+    """
+
+    def __init__(self, config: Config, plan: UnitPlan, streams: tuple[int, ...], *,
+                 backend: str, workers: int, get_timeout_s: float):
+        self.config = config
+        self.plan = plan
+        self.streams = streams
+        self.backend = backend
+        self.workers = workers
+        self._timeout = get_timeout_s
+        self.cursors = {s: StreamCursor() for s in streams}
+        self.source: ChunkSource | None = None
+        self.pool_stats = PoolStats()
+
+    def open(self) -> None:
+        """Starts the source at the cursors (once; later calls do nothing)."""
+        if self.source is not None:
+            return
+        ids = list(self.streams)
+        if self.backend == "local":
+            src = LocalSource(self.config, self.plan, ids)
+        else:
+            from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)
+
+            src = WorkerPool(self.config, self.plan, ids, num_workers=self.workers,
+                             get_timeout_s=self._timeout)
+        src.open({s: (c.base, c.extra) for s, c in self.cursors.items()})
+        self.source = src
+
+    def restore(self, entries: dict[str, Any]) -> None:
+        """Sets every cursor from a saved state's ``streams`` (which holds them all)."""
+        for s in self.streams:
+            st = entries[str(s)]
+            self.cursors[s] = StreamCursor(base=st["state"], extra=int(st["taken"]),
+                                           documents=st.get("documents"))
+
+    def rewind(self) -> None:
+        """Back to every stream's beginning; a Ray pool's workers start the pass again (no new
+        actors per pass), another source is closed."""
+        self.cursors = {s: StreamCursor() for s in self.streams}
+        if self.source is not None and hasattr(self.source, "reopen"):
+            self.source.reopen({s: (None, 0) for s in self.streams})
+        else:
+            self.close()
+
+    def resize(self, workers: int) -> None:
+        """Asks for ``workers`` Ray workers (at the next chunk request once running)."""
+        self.workers = workers
+        if self.source is not None:
+            self.source.request_resize(workers)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.pool_stats.keep(self.source)
+            self.source.close()
+            self.source = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every owned stream's entry of the host state."""
+        return {str(s): c.snapshot() for s, c in self.cursors.items()}
+
+    def rows_in_hand(self) -> list[int]:
+        """Rows of each stream's current chunk not taken yet."""
+        return [c.chunk.num_rows - c.taken if c.chunk is not None else 0
+                for c in self.cursors.values()]
+
+    def take(self, s: int, out: np.ndarray, row0: int, k: int) -> int:
+        """Copies up to k rows of stream s into ``out[:, row0:]``; returns rows copied."""
+        c = self.cursors[s]
+        filled = 0
+        while filled < k:
+            if c.chunk is not None and c.taken == c.chunk.num_rows:
+                if c.chunk.exhausted:
+                    break
+                c.base, c.extra, c.chunk, c.taken = c.chunk.state_after, 0, None, 0
+                c.documents = None
+            if c.chunk is None:
+                c.chunk = self.source.next_chunk(s)
+                c.taken = 0
+                continue
+            n = min(k - filled, c.chunk.num_rows - c.taken)
+            out[:, row0 + filled:row0 + filled + n] = c.chunk.fields[:, c.taken:c.taken + n]
+            c.taken += n
+            filled += n
+        return filled
+
+    def read_to_end(self) -> Iterator[tuple[int, int]]:
+        """Reads every owned stream to its end, chunk by chunk: yields the real (rows, tokens)
+        of each."""
+        n = max(1, self.config.chunk_rows)
+        scratch = np.empty((len(FIELDS), n, self.config.seq_len), np.int32)
+        seg = FIELDS.index("inputs_segmentation")
+        for s in self.streams:
+            while True:
+                got = self.take(s, scratch, 0, n)
+                yield got, int(np.count_nonzero(scratch[seg, :got]))
+                if got < n:
+                    break
