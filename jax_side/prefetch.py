@@ -95,8 +95,11 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 items = self._next_items()
-                for item in items:
+                for i, item in enumerate(items):
                     if not self._handoff.put(item, self._stop):
+                        # Stopped: the items made stay for ``drain``, which counts their rows.
+                        for rest in items[i:]:
+                            self._handoff.put_now(rest)
                         return
                 if items[-1] is END:
                     return
@@ -122,7 +125,8 @@ class Prefetcher:
         return not self._thread.is_alive()
 
     def drain(self) -> list[Any]:
-        """The items handed over but not taken (once the thread has stopped)."""
+        """The items made but not taken, those the stop kept from the handoff too (once the
+        thread has stopped)."""
         items = []
         while not self._handoff.empty():
             items.append(self._handoff.get(timeout_s=0))

@@ -608,6 +608,29 @@ def test_bad_document_error_row_is_the_row_within_the_file(tmp_path, sharding_1d
     assert re.search(r"\brow 25\b", str(info.value)), str(info.value)
 
 
+def test_a_stopped_producer_leaves_every_step_it_made_to_drain():
+    """drop_remainder counts the rows of steps made but not delivered: a step the producer
+    made while the handoff was full, when the consumer stops at the end of the data (on
+    several hosts: at a step the hosts agree to drop), is drained too, not lost."""
+    from jax_side.prefetch import END, Prefetcher
+
+    calls: list[int] = []
+
+    def next_items():
+        calls.append(1)
+        return ["step 1", "step 2"] if len(calls) == 1 else [END]
+
+    p = Prefetcher(1, next_items)
+    p.start()
+    deadline = time.monotonic() + 10
+    while p._handoff.empty():
+        assert time.monotonic() < deadline, "the producer never handed over a step"
+        time.sleep(0.005)
+    assert p.stop(10)
+    assert p.drain() == ["step 1", "step 2"]
+    assert len(calls) == 1
+
+
 def test_handoff_holds_at_most_its_size_keeps_order_and_stops():
     """The buffer between HostFeed's assembly thread and the consumer."""
     from jax_side.prefetch import Handoff
