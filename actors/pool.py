@@ -9,6 +9,9 @@ When a worker dies (or a call on it fails unexpectedly), the pool replaces it an
 of its streams from the ``state_after`` of the last chunk received for that stream; requests
 still in flight are issued again. Streams are deterministic, so no row is lost or repeated.
 A stream that keeps failing at the same position stops the run with an error naming it.
+A replacement with no CPU to start on (a whole node lost) leaves its streams to the workers
+still running until it starts, and the pool waits for a CPU only when none runs
+(``actors.orphans``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import ray
 
+from actors import orphans
 from actors.autoscale import AutoscalePolicy
 from actors.faults import WorkerFaults
 from actors.mailbox import Mailbox
@@ -146,6 +150,9 @@ class WorkerPool:
         self.chunks_received = 0
         self.requests = 0  # actor calls for chunks: one per chunk, or per group of them
         self.restarts = 0
+        # Times every worker was lost and the streams waited for a CPU, and the seconds.
+        self.cpu_waits = 0
+        self.cpu_wait_s = 0.0
         self.resizes = 0
         self.wait_s = 0.0
 
@@ -291,12 +298,13 @@ class WorkerPool:
         """Moves streams onto pending workers that have started, evening out the load."""
         if not self._pending:
             return
-        refs = [self._where[id(w)] for w in self._pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        started = [w for w, r in zip(self._pending, refs, strict=True) if r in ready]
+        up, died = orphans.sort_started([self._where[id(w)] for w in self._pending], 0)
+        started = [self._pending[i] for i in up]
+        lost = [self._pending[i] for i in died]
+        self._pending = [w for i, w in enumerate(self._pending) if i not in up + died]
+        self._respawn(lost)
         if not started:
             return
-        self._pending = [w for w in self._pending if all(w is not x for x in started)]
         self._workers += started
         load = self._load()
         moves = []
@@ -427,11 +435,17 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 -- it may be gone already
                 pass
             fresh = self._spawn()
-            self._workers[i] = fresh
             self.restarts += 1
             self.metrics.restarts.inc()
             moved = [t for t, w in self._placement.items() if w is dead]
             self._solo.update(moved)
+            if not orphans.started(self._where[id(fresh)], orphans.REPLACEMENT_START_S):
+                # No CPU for it (a lost node took it): it waits as a pending worker.
+                del self._workers[i]
+                self._pending.append(fresh)
+                self._rehome(moved)
+                return
+            self._workers[i] = fresh
             for t in moved:
                 self._placement[t] = fresh
                 self._queues[t].clear()
@@ -447,6 +461,64 @@ class WorkerPool:
                 if t not in self._exhausted:
                     self._fill(t)
             return
+
+    def _rehome(self, moved: list[int]) -> None:
+        """Reopens the streams ``moved`` of a lost worker on the workers still running, the
+        least loaded first; when none runs, first waits for a pending one to start."""
+        if not self._workers:
+            self._wait_for_a_worker(moved)
+        load = {id(w): [] for w in self._workers}
+        for t, w in self._placement.items():
+            if t not in moved:
+                load[id(w)].append(t)
+        by_id = {id(w): w for w in self._workers}
+        moves = [(t, by_id[k]) for t, k in orphans.spread(moved, load)]
+        log.warning("no CPU for a replacement worker yet: moving streams %s to the %d worker(s) "
+                    "running; the replacement takes its share once it starts", moved,
+                    len(self._workers))
+        self._move(moves)
+
+    def _wait_for_a_worker(self, streams: list[int]) -> None:
+        """Waits, without a deadline, until a pending worker starts (a node joins or comes
+        back), replacing those that die before they start; a warning every get_timeout_s,
+        counted in ``cpu_waits`` and ``cpu_wait_s``."""
+        t0 = time.perf_counter()
+        self.cpu_waits += 1
+        log.warning("no worker runs and no CPU is free for the %d replacement(s): streams %s "
+                    "wait for one to start (a Ray node must join or come back; see `ray status`)",
+                    len(self._pending), streams)
+        while not self._workers:
+            up, died = orphans.sort_started([self._where[id(w)] for w in self._pending],
+                                            self._timeout)
+            self._workers = [self._pending[i] for i in up]
+            lost = [self._pending[i] for i in died]
+            self._pending = [w for i, w in enumerate(self._pending) if i not in up + died]
+            for w in lost:
+                self._count_failure(streams[0], RuntimeError(
+                    f"worker {self._names.get(id(w), '?')} died before it started"))
+            self._respawn(lost)
+            if not (up or died):
+                log.warning("still no CPU for a worker after %.0f s: streams %s wait (not an "
+                            "error; the run goes on once a node joins or comes back; see `ray "
+                            "status`)", time.perf_counter() - t0, streams)
+        waited = time.perf_counter() - t0
+        self.cpu_wait_s += waited
+        log.warning("a worker started after %.0f s without a CPU: streams %s go on", waited,
+                    streams)
+
+    def _respawn(self, lost: list) -> None:
+        """Starts a pending worker in place of each of ``lost``, pending workers that died
+        before they started (counted as restarts)."""
+        for w in lost:
+            log.warning("worker %s died before it started (its node lost?); starting another",
+                        self._names.pop(id(w), "?"))
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 -- it is gone already
+                pass
+            self._pending.append(self._spawn())
+            self.restarts += 1
+            self.metrics.restarts.inc()
 
     def _count_failure(self, s: int, cause: BaseException) -> None:
         """Counts failures of stream ``s`` at its current position; too many stop the run,

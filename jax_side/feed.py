@@ -188,7 +188,8 @@ class _Step:
 
 
 _END = object()
-_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak", "num_pending", "num_workers")
+_POOL_STATS = ("restarts", "cpu_waits", "cpu_wait_s", "bytes_bound", "bytes_peak", "num_pending",
+               "num_workers")
 _POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
@@ -781,6 +782,9 @@ class HostFeed:
             "pending_workers": self._pool_stat("num_pending") if self.backend == "ray" else 0,
             "backend": self.backend,
             "restarts": self._pool_stat("restarts"),
+            # Times every worker was lost and the streams waited for a CPU, and how long.
+            "cpu_waits": self._pool_stat("cpu_waits"),
+            "cpu_wait_s": self._pool_stat("cpu_wait_s"),
             "object_store_bytes_bound": self._pool_stat("bytes_bound"),
             "object_store_bytes_peak": self._pool_stat("bytes_peak"),
             "rows_per_s_by_worker": self._rates("rows_by_worker"),
