@@ -53,7 +53,8 @@ class WorkerPool:
       plan: the unit plan, put in the object store once and shared by every worker.
       stream_ids: the streams this host owns.
       num_workers: actors to start (one CPU each); at most one per stream is useful.
-      get_timeout_s: how long one chunk may take before the wait fails with an error.
+      get_timeout_s: how long one chunk may take before the wait fails with an error; while
+        no worker can run (no CPU), how often a warning says so (that wait has no deadline).
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,

@@ -39,7 +39,7 @@ from ingest.stream import Chunk, open_stream
 from ingest.tokenize import load_tokenizer
 from jax_side.host_buffers import aligned_empty as _aligned_empty
 from jax_side.host_state import HOST_STATE_VERSION, check_compatible
-from jax_side.multihost import EndAgreement
+from jax_side.multihost import AGREEMENT_TIMEOUT_S, EndAgreement
 from jax_side.private_api import put_arrays
 from jax_side.sharding import host_rows, host_rows_per_batch_size
 
@@ -253,6 +253,8 @@ class HostFeed:
         took 1.25 x the feed's time per batch still waited 3-7 ms each time every stream
         needed a new chunk at once (16 chunk reads); with 4 it did not (benchmarks/).
       get_timeout_s: the longest one chunk may take (ray) before an error names it.
+      agreement_timeout_s: with several JAX processes, the longest wait for the others at the
+        end-of-data agreement before ``multihost.PeerError`` names those that never came.
 
     With several JAX processes, each builds one on the same global sharding and iterates it in
     step; at the end of finite data they agree on the last step (``jax_side.multihost``), and
@@ -266,7 +268,8 @@ class HostFeed:
 
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
                  workers: int | None = None, plan: UnitPlan | None = None,
-                 device_prefetch: int = 4, get_timeout_s: float = 300.0):
+                 device_prefetch: int = 4, get_timeout_s: float = 300.0,
+                 agreement_timeout_s: float = AGREEMENT_TIMEOUT_S):
         if backend not in ("ray", "local"):
             raise ValueError(f"backend={backend!r} must be 'ray' or 'local'")
         if not isinstance(sharding, NamedSharding):
@@ -288,6 +291,7 @@ class HostFeed:
         # have a row here (with drop_remainder: known to be full), written by the producer,
         # read by the consumer.
         self._multihost = jax.process_count() > 1 and config.num_epochs is not None
+        self._agreement_timeout = agreement_timeout_s
         self._end = self._new_agreement()
         self._claim = 0
         self._partial_seen = False
@@ -485,7 +489,10 @@ class HostFeed:
         return self
 
     def _new_agreement(self) -> EndAgreement | None:
-        return EndAgreement(drop_remainder=self.config.drop_remainder) if self._multihost else None
+        if not self._multihost:
+            return None
+        return EndAgreement(drop_remainder=self.config.drop_remainder,
+                            timeout_s=self._agreement_timeout)
 
     def _restart(self) -> None:
         """Stops the producer and the source, and goes back to step 0 (reset_after_epoch)."""

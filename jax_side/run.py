@@ -137,7 +137,9 @@ def run_command(args) -> int:
                 ray_started.join()
             return 2
         sharding = batch_sharding(mesh, "data")
-        feed = HostFeed(cfg, sharding=sharding, backend=args.backend)
+        timeouts = ({} if args.agreement_timeout is None
+                    else {"agreement_timeout_s": args.agreement_timeout})
+        feed = HostFeed(cfg, sharding=sharding, backend=args.backend, **timeouts)
         manager = None
         if args.checkpoint_dir:
             from jax_side import checkpoint
