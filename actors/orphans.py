@@ -26,8 +26,8 @@ import ray
 __all__ = ["REPLACEMENT_START_S", "sort_started", "spread", "started"]
 
 # How long a replacement may take to start before its streams go to the workers still running.
-# A worker started in 0.3-3 s on a 2-CPU machine with 4 Ray nodes and a run going on; one
-# that has not started by then waits for a CPU (a lost node took it).
+# Two workers start in 0.3 s on an idle machine (actors.worker), a few seconds on a busy one;
+# one not started after 30 times that waits for a CPU (a lost node took it).
 REPLACEMENT_START_S = 10.0
 
 
