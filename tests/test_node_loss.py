@@ -203,7 +203,9 @@ def test_lost_nodes_move_streams_to_the_nodes_left_then_wait_for_a_cpu_and_keep_
     stats = got["stats"]
     assert "moving streams" in err and "to the 1 worker(s) running" in err, tail
     assert "no worker runs and no CPU is free" in err, tail
-    assert stats["cpu_waits"] == 1, tail
+    # At least the wait for the node added back (a replacement first placed on a node being
+    # lost can leave no worker running for a while earlier, too).
+    assert stats["cpu_waits"] >= 1, tail
     assert stats["cpu_wait_s"] > spec["get_timeout_s"], tail  # it waited, where it once failed
     assert "still no CPU for a worker after" in err, tail
     assert stats["restarts"] >= 3, tail  # one replacement per worker lost
