@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,16 +31,14 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from helpers import write_parquet_corpus
+
+from ingest import Config, SourceConfig, step_digest
+from jax_side import HostFeed, batch_sharding
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from helpers import write_parquet_corpus  # noqa: E402
-
-from ingest import Config, SourceConfig, step_digest  # noqa: E402
-from jax_side import HostFeed, batch_sharding  # noqa: E402
-
-CHILD_TIMEOUT_S = 300  # a healthy run here takes 30-60 s on 2 shared CPUs (4 raylets)
+CHILD_TIMEOUT_S = 300  # the run takes 80-110 s on 2 shared CPUs (4 raylets), a 45 s wait included
 MAX_STEPS = 500  # far above the run's length: a feed that never ends fails instead of hanging
 FEED = dict(seq_len=32, global_batch_size=16, num_streams=8, num_epochs=2, unit_rows=10,
             chunk_rows=2, prefetch=2)
@@ -171,6 +170,7 @@ def run_child(spec: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], str
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     text = err_path.read_text()
     assert p.returncode == 0, f"the child exited with {p.returncode}:\n{text[-5000:]}"
     return json.loads(out.read_text()), text
