@@ -12,6 +12,9 @@ The pool's parts, each in its own module:
 - ``actors.in_flight``: the requests in flight per stream and the replies taken from them.
 - ``actors.recovery``: a dead worker replaced, its streams reopened where the host last
   received them; a stream failing again and again at one place stops the run.
+- ``actors.orphans``: a replacement with no CPU to start on (a whole node lost) leaves its
+  streams to the workers still running until it starts; the pool waits for a CPU only when
+  none runs.
 - ``actors.poison``: with ``on_bad_document: skip``, the document that kills workers located
   and skipped.
 - ``actors.resize``: the worker count changed while running, on request or by autoscale.
@@ -31,6 +34,7 @@ from actors.calls import WORKER_LOST, get_within, raise_worker_error
 from actors.faults import WorkerFaults
 from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
+from actors.orphans import OrphanedStreams
 from actors.placement import group_streams, place_groups, pool_size
 from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
@@ -49,7 +53,7 @@ log = logging.getLogger("ingest.pool")
 PREFAULT_MAX_BYTES = 1 << 30
 
 
-class WorkerPool(InFlightRequests, WorkerRecovery, PoisonLocator, PoolResizing):
+class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocator, PoolResizing):
     """Ray workers producing chunks for the streams ``stream_ids``.
 
     Args:
@@ -57,7 +61,8 @@ class WorkerPool(InFlightRequests, WorkerRecovery, PoisonLocator, PoolResizing):
       plan: the unit plan, put in the object store once and shared by every worker.
       stream_ids: the streams this host owns.
       num_workers: actors to start (one CPU each); at most one per stream is useful.
-      get_timeout_s: how long one chunk may take before the wait fails with an error.
+      get_timeout_s: how long one chunk may take before the wait fails with an error; while
+        no worker can run (no CPU), how often a warning says so (that wait has no deadline).
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
@@ -110,6 +115,9 @@ class WorkerPool(InFlightRequests, WorkerRecovery, PoisonLocator, PoolResizing):
         self.chunks_received = 0
         self.requests = 0  # actor calls for chunks: one per chunk, or per group of them
         self.restarts = 0
+        # Times every worker was lost and the streams waited for a CPU, and the seconds.
+        self.cpu_waits = 0
+        self.cpu_wait_s = 0.0
         self.wait_s = 0.0
 
     def _start_workers(self, n: int) -> None:

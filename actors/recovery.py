@@ -16,6 +16,7 @@ import logging
 
 import ray
 
+from actors import orphans
 from actors.calls import WORKER_LOST, get_within, raise_worker_error
 from ingest.errors import StreamError
 
@@ -27,8 +28,9 @@ log = logging.getLogger("ingest.pool")
 class WorkerRecovery:
     """The recovery side of ``actors.pool.WorkerPool`` (mixed into it).
 
-    Reads the pool's ``_config``, ``_timeout``, ``_exhausted``, ``_spawn`` and ``_fill``;
-    changes ``_workers``, ``_placement``, ``_queues`` and ``_solo``; keeps ``_resume`` (stream
+    Reads the pool's ``_config``, ``_timeout``, ``_exhausted``, ``_where``, ``_spawn``,
+    ``_fill`` and ``_rehome``; changes ``_workers``, ``_pending``, ``_placement``, ``_queues``
+    and ``_solo``; keeps ``_resume`` (stream
     -> where to reopen it: ``(state, rows to skip)``), ``_failures`` (stream -> ``(position,
     count)``), ``max_failures`` and the count ``restarts``.
     """
@@ -50,11 +52,17 @@ class WorkerRecovery:
             except Exception:  # noqa: BLE001 -- it may be gone already
                 pass
             fresh = self._spawn()
-            self._workers[i] = fresh
             self.restarts += 1
             self.metrics.restarts.inc()
             moved = [t for t, w in self._placement.items() if w is dead]
             self._solo.update(moved)
+            if not orphans.started(self._where[id(fresh)], orphans.REPLACEMENT_START_S):
+                # No CPU for it (a lost node took it): it waits as a pending worker.
+                del self._workers[i]
+                self._pending.append(fresh)
+                self._rehome(moved)
+                return
+            self._workers[i] = fresh
             for t in moved:
                 self._placement[t] = fresh
                 self._queues[t].clear()

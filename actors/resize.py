@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from actors import orphans
 from actors.autoscale import AutoscalePolicy
 from actors.calls import WORKER_LOST, get_within, raise_worker_error
 
@@ -26,8 +27,9 @@ class PoolResizing:
     """The resize side of ``actors.pool.WorkerPool`` (mixed into it).
 
     Reads the pool's ``_stream_ids``, ``_timeout``, ``_where``, ``_resume``, ``_exhausted``,
-    ``wait_s``, ``_spawn``, ``_fill`` and ``_replace``; changes ``_workers``, ``_pending``
-    (workers started but still waiting for a CPU), ``_placement`` and ``_queues``; keeps
+    ``wait_s``, ``_spawn``, ``_fill``, ``_replace`` and ``_respawn``; changes ``_workers``,
+    ``_pending`` (workers started but still waiting for a CPU), ``_placement`` and
+    ``_queues``; keeps
     ``_target_workers``, ``_autoscale``, ``_scale_mark`` and the count ``resizes``.
     """
 
@@ -115,12 +117,13 @@ class PoolResizing:
         """Moves streams onto pending workers that have started, evening out the load."""
         if not self._pending:
             return
-        refs = [self._where[id(w)] for w in self._pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        started = [w for w, r in zip(self._pending, refs, strict=True) if r in ready]
+        up, died = orphans.sort_started([self._where[id(w)] for w in self._pending], 0)
+        started = [self._pending[i] for i in up]
+        lost = [self._pending[i] for i in died]
+        self._pending = [w for i, w in enumerate(self._pending) if i not in up + died]
+        self._respawn(lost)
         if not started:
             return
-        self._pending = [w for w in self._pending if all(w is not x for x in started)]
         self._workers += started
         load = self._load()
         moves = []

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "process 0 prints one summary of the global batches")
     h.add_argument("--devices-per-host", type=int, default=4, metavar="D",
                    help="forced CPU devices of each --hosts process (default 4)")
+    h.add_argument("--agreement-timeout", type=float, metavar="SECONDS",
+                   help="how long a host waits for the others at the end-of-data agreement "
+                        "before it fails naming those that never came (default 600)")
     m = sub.add_parser(
         "materialize", help="run the streams of a finite config to their end and write their "
         "rows as Parquet segments (resumable)",
@@ -146,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.hosts is not None and (args.hosts <= 0 or any(joined)):
         problems.append("--hosts N needs N > 0 and starts its own processes: leave out "
                         "--coordinator, --num-hosts and --host-id")
+    if args.agreement_timeout is not None and not args.agreement_timeout > 0:
+        problems.append(f"--agreement-timeout={args.agreement_timeout} must be positive")
     if args.devices_per_host <= 0:
         problems.append(f"--devices-per-host={args.devices_per_host} must be positive")
     if problems:

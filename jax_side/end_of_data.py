@@ -19,7 +19,7 @@ import jax
 
 from ingest.config import Config
 from jax_side.iterator_length import steps_covering
-from jax_side.multihost import EndAgreement
+from jax_side.multihost import AGREEMENT_TIMEOUT_S, EndAgreement
 
 __all__ = ["EndOfData", "steps_in_hand"]
 
@@ -38,13 +38,14 @@ class EndOfData:
     Args:
       config: the validated config; the hosts agree when several JAX processes run and
         ``num_epochs`` is finite.
+      timeout_s: the longest wait for the other hosts at an agreement.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, timeout_s: float = AGREEMENT_TIMEOUT_S):
         self.config = config
         agreeing = jax.process_count() > 1 and config.num_epochs is not None
-        self._agreement = (EndAgreement(drop_remainder=config.drop_remainder) if agreeing
-                           else None)
+        self._agreement = (EndAgreement(drop_remainder=config.drop_remainder,
+                                        timeout_s=timeout_s) if agreeing else None)
         # The last step known to have a row here (with drop_remainder: known to be full),
         # written by the producer, read by the consumer.
         self._claim = 0

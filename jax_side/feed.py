@@ -40,6 +40,7 @@ from jax_side.end_of_data import EndOfData
 from jax_side.feed_stats import FeedCounters, steady_window_start, stream_counters
 from jax_side.host_state import StateHeader, check_restorable
 from jax_side.iterator_length import IteratorLength, LengthEstimator, steps_covering
+from jax_side.multihost import AGREEMENT_TIMEOUT_S
 from jax_side.prefetch import END, Prefetcher
 from jax_side.sharding import host_rows, host_rows_per_batch_size
 
@@ -62,6 +63,8 @@ class HostFeed(FeedCounters):
         took 1.25 x the feed's time per batch still waited 3-7 ms each time every stream
         needed a new chunk at once (16 chunk reads); with 4 it did not (benchmarks/).
       get_timeout_s: the longest one chunk may take (ray) before an error names it.
+      agreement_timeout_s: with several JAX processes, the longest wait for the others at the
+        end-of-data agreement before ``multihost.PeerError`` names those that never came.
 
     With several JAX processes, each builds one on the same global sharding and iterates it in
     step; at the end of finite data they agree on the last step (``jax_side.multihost``), and
@@ -76,7 +79,8 @@ class HostFeed(FeedCounters):
 
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
                  workers: int | None = None, plan: UnitPlan | None = None,
-                 device_prefetch: int = 4, get_timeout_s: float = 300.0):
+                 device_prefetch: int = 4, get_timeout_s: float = 300.0,
+                 agreement_timeout_s: float = AGREEMENT_TIMEOUT_S):
         if backend not in ("ray", "local"):
             raise ValueError(f"backend={backend!r} must be 'ray' or 'local'")
         if not isinstance(sharding, NamedSharding):
@@ -96,7 +100,8 @@ class HostFeed(FeedCounters):
                                                       config.seq_len, config.num_streams)
         # Several JAX processes and finite data: exhausted hosts pad until every host is, then
         # all stop after the same step (jax_side.end_of_data).
-        self._end = EndOfData(config)
+        self._agreement_timeout = agreement_timeout_s
+        self._end = EndOfData(config, agreement_timeout_s)
         config.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
         # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
         load_tokenizer(config.tokenizer, config.tokenizer_backend)
@@ -194,7 +199,7 @@ class HostFeed(FeedCounters):
         self._done = self._pass_started = False
         self._end_step = None
         self._step = 0
-        self._end = EndOfData(self.config)
+        self._end = EndOfData(self.config, self._agreement_timeout)
         self._state = self._snapshot()
         self.passes += 1
 

@@ -17,7 +17,8 @@ from ingest.plan import UnitPlan
 
 __all__ = ["FeedCounters", "PoolStats", "steady_window_start", "stream_counters"]
 
-_POOL_STATS = ("restarts", "bytes_bound", "bytes_peak", "num_pending", "num_workers")
+_POOL_STATS = ("restarts", "cpu_waits", "cpu_wait_s", "bytes_bound", "bytes_peak", "num_pending",
+               "num_workers")
 _POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
@@ -169,6 +170,9 @@ class PoolStats:
             "pending_workers": self._stat(source, "num_pending") if backend == "ray" else 0,
             "backend": backend,
             "restarts": self._stat(source, "restarts"),
+            # Times every worker was lost and the streams waited for a CPU, and how long.
+            "cpu_waits": self._stat(source, "cpu_waits"),
+            "cpu_wait_s": self._stat(source, "cpu_wait_s"),
             "object_store_bytes_bound": self._stat(source, "bytes_bound"),
             "object_store_bytes_peak": self._stat(source, "bytes_peak"),
             "rows_per_s_by_worker": self._rates(source, "rows_by_worker"),

@@ -30,10 +30,15 @@ assembled while that step is full, so a claim below the step asked about is fina
     sync at step 4:   claims (3, 4) -> 3 < 4: every host stops after step 3
 
 Every host makes the same decisions from the same gathered claims, so the steps delivered do
-not depend on timing, only on (config, corpus, seed), exactly as on one host. The allgather runs
-on the consumer's thread, in program order with the training step's own collectives. A peer
-that died makes it fail: at once when its sockets close, within 30 s (gloo's connection timeout)
-when it died before the first collective; the error names what was awaited.
+not depend on timing, only on (config, corpus, seed), exactly as on one host. The allgather is
+made from the consumer's thread, which waits for it, in program order with the training step's
+own collectives. A peer that died makes it fail: at once when its sockets close, within 30 s
+(gloo's connection timeout) when it died before the first collective; the error names what was
+awaited. A peer that stalls without dying (a hung step, a debugger) would hold the others in the
+collective for good, and a collective cannot be cancelled: it runs on a helper thread, and the
+consumer gives up after ``agreement_timeout_s`` (``AGREEMENT_TIMEOUT_S`` by default), naming the
+processes that never arrived (each marks its arrival in the key-value store of JAX's
+coordination service).
 
 ``ingest run --hosts N`` starts N local JAX processes on 127.0.0.1 with
 ``--devices-per-host`` forced CPU devices each (``launch_local_hosts``).
@@ -42,6 +47,7 @@ when it died before the first collective; the error names what was awaited.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -57,11 +63,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_side.private_api import cluster_types
+from jax_side.private_api import cluster_types, coordination_client
 
 __all__ = [
-    "EndAgreement", "PeerError", "allgather", "allgather_json", "combine_stats",
-    "detected_cluster", "global_batch", "initialize", "launch_local_hosts", "leave",
+    "AGREEMENT_TIMEOUT_S", "EndAgreement", "PeerError", "allgather", "allgather_json",
+    "combine_stats", "detected_cluster", "global_batch", "initialize", "launch_local_hosts",
+    "leave",
 ]
 
 log = logging.getLogger("ingest.multihost")
@@ -70,6 +77,11 @@ log = logging.getLogger("ingest.multihost")
 # peer died fails its next collective within milliseconds, and JAX's coordination service
 # stops every process within its heartbeat timeout (100 s by default) in any case.
 PEER_EXIT_GRACE_S = 60.0
+
+# How long a host waits for the others at the end-of-data agreement. Hosts reach it a training
+# step apart at most, unless one is stuck: twice HostFeed's get_timeout_s (300 s), so that a
+# peer waiting on its own slow chunk fails first, with the error that names it.
+AGREEMENT_TIMEOUT_S = 600.0
 
 _LAUNCHER_FLAGS = ("--hosts", "--devices-per-host")
 
@@ -115,6 +127,79 @@ def allgather(x: np.ndarray, what: str) -> np.ndarray:
         raise _peer_error(what, e) from e
 
 
+def bounded_allgather(x: np.ndarray, what: str, *, timeout_s: float, key: str,
+                      setting: str, how: str) -> np.ndarray:
+    """``allgather``, giving up after ``timeout_s``: a peer that stalls without dying holds an
+    XLA collective for good, and it cannot be cancelled. The collective runs on a helper thread
+    (this thread waits for it, so program order is kept); each process marks its arrival under
+    ``key`` in the coordination service's key-value store, so the error names those that never
+    came. After a timeout the helper thread stays blocked: the process should exit
+    (``leave``), as after any ``PeerError``.
+
+    Args:
+      x: a small array of the same shape and dtype on every process.
+      what: what the processes exchange, for the error message.
+      timeout_s: the longest wait for every process.
+      key: unique to this exchange and the same on every process.
+      setting: the name of the setting ``timeout_s`` comes from, for the error message.
+      how: where the user changes it, for the error message.
+
+    Raises:
+      PeerError: the collective failed, or did not finish within ``timeout_s``.
+    """
+    client = coordination_client()
+    me, n = jax.process_index(), jax.process_count()
+    if client is not None:
+        try:
+            client.key_value_set(f"{key}/{me}", "arrived")
+        except Exception as e:  # noqa: BLE001 -- process 0, which holds the store, may be gone
+            log.debug("cannot mark the arrival %s/%d: %s", key, me, e)
+            client = None
+    done: queue.Queue = queue.Queue()
+
+    def gather() -> None:
+        try:
+            done.put(allgather(x, what))
+        except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
+            done.put(e)
+
+    threading.Thread(target=gather, name="allgather", daemon=True).start()
+    try:
+        out = done.get(timeout=timeout_s)
+    except queue.Empty:
+        missing = _not_arrived(client, key, n)
+        who = (f"process(es) {missing} of {n} never arrived: stalled without dying (a hung "
+               f"or very slow step, a debugger) or cut off" if missing else
+               "another process never arrived")
+        raise PeerError(
+            f"process {me} of {n} waited {timeout_s:g} s for {what} from every process; "
+            f"{who}. That is the limit {setting}={timeout_s:g}: raise it ({how}) if a host's "
+            f"steps may take that long, else restart all {n} processes and restore the last "
+            f"feed checkpoint (ingest run: --resume)", what=what) from None
+    if isinstance(out, BaseException):
+        raise out
+    if client is not None:
+        # Every process has arrived: the mark is not needed any more (one per exchange).
+        try:
+            client.key_value_delete(f"{key}/{me}")
+        except Exception as e:  # noqa: BLE001 -- a leftover mark costs a few bytes
+            log.debug("cannot delete the arrival mark %s/%d: %s", key, me, e)
+    return out
+
+
+def _not_arrived(client, key: str, n: int) -> list[int]:
+    """The processes without an arrival mark under ``key`` ([] when that cannot be told)."""
+    if client is None:
+        return []
+    try:
+        marks = client.key_value_dir_get(f"{key}/")
+    except Exception as e:  # noqa: BLE001 -- the service may be gone with its process
+        log.warning("cannot read the arrival marks under %s: %s", key, e)
+        return []
+    arrived = {int(k.rsplit("/", 1)[1]) for k, _ in marks}
+    return [i for i in range(n) if i not in arrived]
+
+
 def global_batch(batch: dict[str, jax.Array], step: int) -> dict[str, np.ndarray]:
     """The global batch as numpy on this process, rows in global order (for digests).
 
@@ -150,15 +235,24 @@ class EndAgreement:
     Args:
       drop_remainder: claims name the last step known to be full, and the hosts go on through
         the smallest claim (else: the last step known to have a row, through the largest).
+      timeout_s: the longest wait for the other hosts at one comparison (``PeerError`` after).
 
     Attributes:
       syncs: allgathers made so far (fewer than the steps: a claim covers several steps).
     """
 
-    def __init__(self, *, drop_remainder: bool = False):
+    def __init__(self, *, drop_remainder: bool = False,
+                 timeout_s: float = AGREEMENT_TIMEOUT_S):
+        if not timeout_s > 0:
+            raise ValueError(f"agreement_timeout_s={timeout_s} must be positive")
         self._agreed_through = 0
         self._drop_remainder = drop_remainder
+        self._timeout = timeout_s
+        # The same on every process: every process makes the same agreements, in order.
+        self._id = next(EndAgreement._made)
         self.syncs = 0
+
+    _made = itertools.count()
 
     def continues(self, step: int, claim: int) -> bool:
         """Whether ``step`` goes ahead on every host.
@@ -170,14 +264,18 @@ class EndAgreement:
             knows to be full (``step - 1`` when ``step`` is not).
 
         Raises:
-          PeerError: a peer died or left while the hosts compared claims.
+          PeerError: a peer died or left while the hosts compared claims, or did not come
+            within ``timeout_s``.
         """
         if step <= self._agreed_through:
             return True
         kind = "full step" if self._drop_remainder else "step with rows"
-        claims = allgather(np.array([claim], np.int32),
-                           f"the end-of-data agreement at step {step} (every process's last "
-                           f"{kind})")
+        claims = bounded_allgather(
+            np.array([claim], np.int32),
+            f"the end-of-data agreement at step {step} (every process's last {kind})",
+            timeout_s=self._timeout, key=f"ingest/agreement/{self._id}/{self.syncs}",
+            setting="agreement_timeout_s",
+            how="HostFeed(agreement_timeout_s=...), ingest run --agreement-timeout SECONDS")
         self.syncs += 1
         self._agreed_through = int(claims.min() if self._drop_remainder else claims.max())
         return self._agreed_through >= step
@@ -279,11 +377,12 @@ def leave(code: int) -> None:
 
 _SUMMED = ("tokens", "padding_rows", "padding_tokens", "dropped_rows", "dropped_tokens",
            "documents", "truncated_documents",
-           "truncated_tokens", "workers", "pending_workers", "restarts", "streams",
+           "truncated_tokens", "workers", "pending_workers", "restarts", "cpu_waits", "streams",
            "workers_killed", "tokens_per_s",
            "steady_tokens_per_s", "object_store_bytes_bound", "object_store_bytes_peak")
 _PER_KEY = ("rows_per_s_by_worker", "rows_per_s_by_stream")
-_WORST = ("stall_fraction", "steady_stall_fraction", "startup_s", "wait_s", "wait_max_s")
+_WORST = ("stall_fraction", "steady_stall_fraction", "startup_s", "wait_s", "wait_max_s",
+          "cpu_wait_s")
 
 
 def combine_stats(per_host: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,6 +16,11 @@ first call), ``put_arrays`` uses ``jax.device_put`` from then on.
 (``jax._src.clusters``), so that ``ingest run`` can tell whether it runs in one before joining;
 without them it joins only when given ``--coordinator`` or when JAX finds one itself.
 
+``coordination_client`` is JAX's client of the coordination service that
+``jax.distributed.initialize`` starts (``jax._src.distributed.global_state.client``): its
+key-value store lets a host that timed out waiting for the others name the processes that never
+arrived. Without it the error cannot name them.
+
 ``ray_auto_address`` resolves ``--address=auto`` the way ``ray.init`` does, so that a dead
 cluster is reported in seconds; without it the address goes to ``ray.init`` unchecked.
 """
@@ -24,12 +29,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
-__all__ = ["batched_transfer", "cluster_types", "put_arrays", "ray_auto_address"]
+__all__ = ["batched_transfer", "cluster_types", "coordination_client", "put_arrays",
+           "ray_auto_address"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,17 @@ def cluster_types() -> list[type]:
     from jax._src import clusters  # noqa: PLC0415
 
     return list(clusters.ClusterEnv._cluster_types)
+
+
+def coordination_client() -> Any | None:
+    """JAX's client of the coordination service (``key_value_set``, ``key_value_dir_get``,
+    ``key_value_delete``), or None when this process joined none or this JAX keeps it
+    elsewhere."""
+    try:
+        from jax._src import distributed  # noqa: PLC0415
+    except ImportError:
+        return None
+    return getattr(getattr(distributed, "global_state", None), "client", None)
 
 
 def ray_auto_address() -> str | None:

@@ -178,7 +178,10 @@ def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contex
               f"by the {len(devices)} devices; change global_batch_size", file=sys.stderr)
         return None
     mesh = jax.make_mesh((len(devices),), ("data",))
-    feed = HostFeed(cfg, sharding=batch_sharding(mesh, "data"), backend=args.backend)
+    timeouts = ({} if args.agreement_timeout is None
+                else {"agreement_timeout_s": args.agreement_timeout})
+    feed = HostFeed(cfg, sharding=batch_sharding(mesh, "data"), backend=args.backend,
+                    **timeouts)
     if not args.checkpoint_dir:
         return feed, None
     from jax_side import checkpoint

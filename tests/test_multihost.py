@@ -345,14 +345,58 @@ def test_sigkilled_peer_makes_the_feed_fail_instead_of_waiting(corpora, tmp_path
                 or "JAX distributed service detected fatal errors" in err), err[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("staller", [1, 0])
+def test_a_peer_that_stalls_without_dying_fails_the_agreement_naming_it_and_the_timeout(
+        corpora, tmp_path, staller):
+    """One process hangs in its training step after step 2 and stays alive (its JAX
+    heartbeats go on); the other must fail at its next end-of-data agreement once
+    agreement_timeout_s has passed, naming the process that never came and the setting."""
+    timeout_s = 5
+    spec = dict(corpus=str(corpora["host_1_ends_first"]), seed=5, step_time=0.2,
+                agreement_timeout_s=timeout_s, stall=dict(process=staller, after_step=2))
+    procs = start_children("steps", spec, tmp_path)
+    waiter = procs[1 - staller]
+    try:
+        wait_for_line(lines_of(procs[staller].stdout), "stalling", CHILD_TIMEOUT_S, procs,
+                      tmp_path, f"process {staller}")
+        stalled_at = time.monotonic()
+        try:
+            waiter.wait(timeout=PEER_DEATH_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"process {1 - staller} still ran {PEER_DEATH_DEADLINE_S} s after its peer "
+                f"stalled:\n{stderr_of(tmp_path, 1 - staller)[-3000:]}") from None
+        took = time.monotonic() - stalled_at
+        assert procs[staller].poll() is None, "the stalled process should still be alive"
+    finally:
+        stop_all(procs)
+    err = stderr_of(tmp_path, 1 - staller)
+    assert waiter.returncode == 3, err[-3000:]
+    assert f"PeerError: process {1 - staller} of 2 waited {timeout_s} s for the end-of-data " \
+           f"agreement at step" in err, err[-3000:]
+    assert f"process(es) [{staller}] of 2 never arrived: stalled without dying" in err, err[-3000:]
+    assert (f"That is the limit agreement_timeout_s={timeout_s}: raise it "
+            f"(HostFeed(agreement_timeout_s=...), ingest run --agreement-timeout SECONDS)"
+            in err), err[-3000:]
+    assert took < PEER_DEATH_DEADLINE_S
+
+
 def _child_steps(spec: dict[str, Any], out: Path) -> None:
     from jax_side.multihost import PeerError, leave
 
     config = feed_config(Path(spec["corpus"]), spec["seed"])
+    stall = spec.get("stall")
+    timeouts = ({"agreement_timeout_s": spec["agreement_timeout_s"]}
+                if "agreement_timeout_s" in spec else {})
     try:
-        with HostFeed(config, sharding=mesh_sharding("1d"), backend="local") as feed:
+        with HostFeed(config, sharding=mesh_sharding("1d"), backend="local", **timeouts) as feed:
             for step, _ in enumerate(itertools.islice(feed, MAX_STEPS), 1):
                 print(f"step {step}", flush=True)
+                if stall and stall == dict(process=jax.process_index(), after_step=step):
+                    print("stalling", flush=True)
+                    threading.Event().wait(CHILD_TIMEOUT_S)  # a hung step; the process lives
                 time.sleep(spec["step_time"])  # a stand-in for the training step
     except PeerError as e:
         print(f"PeerError: {e}", file=sys.stderr, flush=True)
