@@ -101,7 +101,7 @@ def _child(spec: dict[str, Any], out: Path) -> None:
                 pass
 
     def on_step(step: int, feed: HostFeed) -> None:
-        pool = feed._source
+        pool = feed._intake.source
         note(f"step {step}: {pool.num_workers} workers, {pool.num_pending} pending, "
              f"{pool.restarts} restarts")
         if step == spec["remove_at"]:
