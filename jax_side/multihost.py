@@ -1,4 +1,6 @@
-"""Several JAX hosts: joining them, agreeing on the last step of finite data, local launching.
+"""Several JAX hosts: collectives between them, agreeing on the last step of finite data, one
+summary for all (``jax_side.host_join`` joins them; ``jax_side.local_hosts`` launches them on
+one machine).
 
 Every host runs its own ``HostFeed`` for the streams whose rows land on its devices; hosts do
 not coordinate to feed a step. Only the end of finite data needs agreement: a host whose
@@ -39,55 +41,32 @@ collective for good, and a collective cannot be cancelled: it runs on a helper t
 consumer gives up after ``agreement_timeout_s`` (``AGREEMENT_TIMEOUT_S`` by default), naming the
 processes that never arrived (each marks its arrival in the key-value store of JAX's
 coordination service).
-
-``ingest run --hosts N`` starts N local JAX processes on 127.0.0.1 with
-``--devices-per-host`` forced CPU devices each (``launch_local_hosts``).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
-import os
 import queue
-import socket
-import subprocess
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jax_side.private_api import cluster_types, coordination_client
+from jax_side.private_api import coordination_client
 
-__all__ = [
-    "AGREEMENT_TIMEOUT_S", "EndAgreement", "PeerError", "allgather", "allgather_json",
-    "combine_stats", "detected_cluster", "global_batch", "initialize", "launch_local_hosts",
-    "leave",
-]
+__all__ = ["AGREEMENT_TIMEOUT_S", "EndAgreement", "PeerError", "allgather", "allgather_json",
+           "bounded_allgather", "combine_stats", "global_batch"]
 
 log = logging.getLogger("ingest.multihost")
-
-# How long the launcher lets the other hosts end on their own after one failed: a host whose
-# peer died fails its next collective within milliseconds, and JAX's coordination service
-# stops every process within its heartbeat timeout (100 s by default) in any case.
-PEER_EXIT_GRACE_S = 60.0
 
 # How long a host waits for the others at the end-of-data agreement. Hosts reach it a training
 # step apart at most, unless one is stuck: twice HostFeed's get_timeout_s (300 s), so that a
 # peer waiting on its own slow chunk fails first, with the error that names it.
 AGREEMENT_TIMEOUT_S = 600.0
-
-_LAUNCHER_FLAGS = ("--hosts", "--devices-per-host")
-
-
-class ClusterJoinError(RuntimeError):
-    """This process could not join the JAX processes of the cluster environment it is in."""
 
 
 class PeerError(RuntimeError):
@@ -134,7 +113,7 @@ def bounded_allgather(x: np.ndarray, what: str, *, timeout_s: float, key: str,
     (this thread waits for it, so program order is kept); each process marks its arrival under
     ``key`` in the coordination service's key-value store, so the error names those that never
     came. After a timeout the helper thread stays blocked: the process should exit
-    (``leave``), as after any ``PeerError``.
+    (``host_join.leave``), as after any ``PeerError``.
 
     Args:
       x: a small array of the same shape and dtype on every process.
@@ -281,98 +260,6 @@ class EndAgreement:
         return self._agreed_through >= step
 
 
-# -- joining the processes (ingest run --coordinator ... / a cluster environment) -------------
-
-
-def detected_cluster() -> tuple[str, int | None] | None:
-    """The cluster environment ``jax.distributed.initialize()`` would detect here, through
-    JAX's own cluster classes (Cloud TPU, Kubernetes, SLURM, Open MPI, ...; not the opt-in
-    mpi4py), and its process count (None if the environment cannot tell it without joining);
-    None when there is none."""
-    try:
-        kinds = cluster_types()
-    except (ImportError, AttributeError) as e:
-        log.warning("cannot list JAX's cluster environments (%s); without --coordinator the "
-                    "processes join only when jax.distributed.initialize() finds one", e)
-        return None
-    for kind in kinds:
-        if kind.opt_in_only_method:
-            continue
-        try:
-            if not kind.is_env_present():
-                continue
-        except Exception as e:  # noqa: BLE001 -- a probe that fails means "not here"
-            log.debug("JAX cluster probe %s failed: %s", kind.__name__, e)
-            continue
-        try:
-            count: int | None = int(kind.get_process_count())
-        except Exception as e:  # noqa: BLE001 -- jax.distributed.initialize() will say why
-            log.debug("%s cannot tell the process count before joining: %s", kind.__name__, e)
-            count = None
-        return kind.__name__, count
-    return None
-
-
-def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | None) -> None:
-    """Joins this process to the others with ``jax.distributed.initialize``, before anything
-    touches a JAX device: with the three values from the command line, else with no arguments
-    (JAX's own cluster detection) when JAX detects a cluster environment of several
-    processes; else does nothing.
-
-    Raises:
-      ClusterJoinError: a cluster environment was detected but joining failed (naming it), or
-        ``JAX_COORDINATOR_ADDRESS`` is set where no environment gives the process count and id.
-    """
-    if jax.distributed.is_initialized():
-        return
-    if coordinator is not None:
-        log.info("joining %d JAX processes as process %d through %s", num_hosts, host_id,
-                 coordinator)
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_hosts,
-                                   process_id=host_id)
-        return
-    found = detected_cluster()
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if found is None:
-        if address:
-            raise ClusterJoinError(
-                f"JAX_COORDINATOR_ADDRESS={address} is set, but no cluster environment JAX "
-                f"detects (Cloud TPU, Kubernetes, SLURM, Open MPI) gives this process's count "
-                f"and id. Start the processes under one of them, or pass --coordinator "
-                f"{address} --num-hosts N --host-id I")
-        return
-    name, count = found
-    if count is not None and count <= 1:
-        log.info("cluster environment %s shows one process: running as a single host", name)
-        return
-    log.info("cluster environment %s (%s processes): joining through "
-             "jax.distributed.initialize()", name, count if count is not None else "?")
-    try:
-        jax.distributed.initialize()
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise ClusterJoinError(
-            f"jax.distributed.initialize() failed in the cluster environment {name} that JAX "
-            f"detected: {e}. Fix the environment, or pass --coordinator HOST:PORT --num-hosts N "
-            f"--host-id I") from e
-
-
-def leave(code: int) -> None:
-    """Exits this process at once, after flushing its output.
-
-    A process of a failed multi-process run must not linger: at a normal exit,
-    ``jax.distributed`` waits at a shutdown barrier (up to 5 minutes) for every process, while
-    those wait for this one in their next collective. Leaving closes its sockets, so the peers'
-    collectives fail within milliseconds and they report it.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    logging.shutdown()
-    os._exit(code)
-
-
 # -- one summary for every host ----------------------------------------------------------------
 
 _SUMMED = ("tokens", "padding_rows", "padding_tokens", "dropped_rows", "dropped_tokens",
@@ -430,108 +317,3 @@ def combine_stats(per_host: list[dict[str, Any]]) -> dict[str, Any]:
     out["skipped_files"] = sorted({p for h in per_host for p in h.get("skipped_files", [])})
     out["hosts"] = len(per_host)
     return out
-
-
-# -- ingest run --hosts N: N local processes ---------------------------------------------------
-
-
-def _free_port() -> int:
-    # The port is free now; process 0's coordinator binds it a moment later (a small race
-    # that only a busy machine loses, with a clear bind error).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _strip_launcher_flags(argv: list[str]) -> list[str]:
-    """``argv`` without ``--hosts N`` and ``--devices-per-host D`` (also ``--flag=value`` and
-    the abbreviations argparse accepted), everything else in order."""
-    p = argparse.ArgumentParser(add_help=False)
-    for flag in _LAUNCHER_FLAGS:
-        p.add_argument(flag)
-    _, rest = p.parse_known_args(argv)
-    return rest
-
-
-def _child_env(devices_per_host: int) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count="
-                                           f"{devices_per_host}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
-                       workers_per_host: int) -> int:
-    """``ingest run --hosts N``: runs the same command as N JAX processes on this machine.
-
-    Each process gets ``--coordinator 127.0.0.1:PORT --num-hosts N --host-id I`` and
-    ``args.devices_per_host`` forced CPU devices. With ``--backend ray`` and no cluster given,
-    one local Ray cluster is started here and every process joins it. Process 0 prints the one
-    summary (stdout, like a single process); the others' output goes to stderr.
-
-    Args:
-      argv: the command line as given (without the program name).
-      args: its parsed values.
-      workers_per_host: Ray workers each process starts.
-
-    Returns:
-      0 when every process succeeded, else the first failing process's status.
-    """
-    child_argv = _strip_launcher_flags(argv)
-    n = args.hosts
-    ray_started = False
-    if args.backend == "ray" and not (args.address or os.environ.get("RAY_ADDRESS")):
-        import ray
-
-        from jax_side.ray_cluster import start_ray
-
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
-        # Logical CPUs: every host's workers must be placeable, else actors wait forever for
-        # CPUs; a small machine runs them oversubscribed (slower, same batches). A cluster of
-        # this command's own, which every process joins by its address.
-        start_ray(None, num_cpus=max(os.cpu_count() or 1, n * workers_per_host))
-        ray_started = True
-        child_argv += ["--address", ray.get_runtime_context().gcs_address]
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = _child_env(args.devices_per_host)
-    procs: list[subprocess.Popen] = []
-    ended: queue.Queue = queue.Queue()
-    try:
-        for i in range(n):
-            cmd = [sys.executable, "-m", "jax_side.run", *child_argv, "--coordinator",
-                   coordinator, "--num-hosts", str(n), "--host-id", str(i)]
-            # Process 0's stdout is this command's (its summary is the last line); the others
-            # print nothing there but Ray's or JAX's chatter, sent to stderr instead.
-            p = subprocess.Popen(cmd, env=env, stdout=None if i == 0 else sys.stderr)
-            procs.append(p)
-            threading.Thread(target=lambda i=i, p=p: ended.put((i, p.wait())), daemon=True,
-                             name=f"wait-host-{i}").start()
-        status = 0
-        for _ in range(n):
-            try:
-                i, code = ended.get(timeout=PEER_EXIT_GRACE_S if status else None)
-            except queue.Empty:
-                stuck = [i for i, p in enumerate(procs) if p.poll() is None]
-                print(f"ingest: error: host(s) {stuck} of {n} still running "
-                      f"{PEER_EXIT_GRACE_S:.0f} s after another failed; killing them",
-                      file=sys.stderr)
-                break
-            if code and not status:
-                print(f"ingest: error: host {i} of {n} exited with status {code}; the others "
-                      f"stop at their next collective", file=sys.stderr)
-                status = code if code > 0 else 128 - code
-        return status
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if ray_started:
-            import ray
-
-            ray.shutdown()

@@ -1,16 +1,15 @@
 """``ingest run``: the feed on a mesh of all devices, with progress, summary and digest.
 
 With several JAX processes (``--coordinator``/``--num-hosts``/``--host-id``, a cluster
-environment, or ``--hosts N`` locally: ``jax_side.multihost``), the mesh spans every process's
-devices, digests hash the gathered global batches, and process 0 prints one summary.
+environment, or ``--hosts N`` locally: ``jax_side.host_join``, ``jax_side.local_hosts``), the
+mesh spans every process's devices, digests hash the gathered global batches, and process 0
+prints one summary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from ingest.config import Config, ConfigError, load_config
 from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
+from jax_side import run_summary
 from jax_side.ray_cluster import (
     ClusterUnreachableError,
     Interrupted,
@@ -52,56 +52,6 @@ def _process_start_time() -> float:
 
 
 _IMPORTED_AT = time.time()
-
-
-def _summary_lines(s: dict[str, Any]) -> list[str]:
-    lines = [
-        f"steps {s['steps']}  tokens {s['tokens']:,}  tokens/s {s['tokens_per_s']:,.0f}  "
-        + (f"startup {s['startup_s']:.2f} s" if s.get("startup_s") is not None
-           else "startup - (no batch)")
-        + f"  stall {100 * s['stall_fraction']:.1f}%"
-        + (f"  (from step {s['steady_from_step']}: tokens/s {s['steady_tokens_per_s']:,.0f}, "
-           f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else ""),
-        f"backend {s['backend']}  workers {s['workers']}"
-        + (f" ({s['pending_workers']} pending: no CPU for them)" if s.get("pending_workers")
-           else "") + f"  restarts {s['restarts']}  "
-        f"streams {s['streams']}  "
-        f"padding rows {s['padding_rows']}  padding tokens {s['padding_tokens']:,}",
-        (f"documents {s['documents']:,}" if s.get("documents") is not None
-         else "documents - (a materialized source replays rows; it does not count documents)")
-        + f"  truncated documents {s['truncated_documents']} "
-        f"({s['truncated_tokens']:,} tokens)",
-    ]
-    if "dataset_size" in s:
-        length = s["iterator_length"]
-        steps = "endless" if length["steps"] is None else f"{length['steps']:,} steps"
-        lines.append(f"dataset size {s['dataset_size']:,} documents per epoch  iterator length "
-                     f"{steps} ({'exact: ' if length['exact'] else ''}{length['basis']})")
-    if s.get("source_proportions"):
-        lines.append("mixture: " + ", ".join(
-            f"sources[{i}] {n:,} tokens ({100 * p:.1f}%)" for i, (n, p) in enumerate(
-                zip(s["tokens_by_source"], s["source_proportions"], strict=True))))
-    if s.get("dropped_rows"):
-        lines.append(f"drop_remainder dropped {s['dropped_rows']} row(s) "
-                     f"({s['dropped_tokens']:,} tokens): every row from the first partial step "
-                     f"on")
-    for reason, per_file in sorted(s["skipped_documents"].items()):
-        total = sum(per_file.values())
-        lines.append(f"skipped {total} document(s) as {reason}: "
-                     + ", ".join(f"{p} ({n})" for p, n in sorted(per_file.items())))
-    for path in s["skipped_files"]:
-        lines.append(f"skipped unreadable file {path}")
-    for path, n in sorted(s["skipped_rows_of_bad_files"].items()):
-        lines.append(f"skipped {n} row(s) of unreadable data in {path}")
-    if s.get("rows_per_s_by_worker"):
-        lines.append("rows/s by worker: " + ", ".join(
-            f"{w} {r:,.0f}" for w, r in sorted(s["rows_per_s_by_worker"].items())))
-    if s.get("object_store_bytes_bound"):
-        lines.append(f"object store held at most {s['object_store_bytes_peak'] / 2**20:.1f} MiB "
-                     f"(bound {s['object_store_bytes_bound'] / 2**20:.1f} MiB)")
-    if "digest" in s:
-        lines.append(f"digest {s['digest']}")
-    return lines
 
 
 def run_command(args) -> int:
@@ -153,7 +103,7 @@ def run_command(args) -> int:
     stats["last_step"] = step
     if digest is not None:
         stats["digest"] = digest.hexdigest()
-    return _report(args, stats, start_step)
+    return run_summary.report(args, stats, start_step)
 
 
 def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contextlib.ExitStack):
@@ -164,12 +114,12 @@ def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contex
     printing why)."""
     import jax
 
-    from jax_side import multihost
+    from jax_side import host_join
     from jax_side.feed import HostFeed
     from jax_side.sharding import batch_sharding
 
     # Before anything touches a JAX device, so that the device list is the global one.
-    multihost.initialize(args.coordinator, args.num_hosts, args.host_id)
+    host_join.initialize(args.coordinator, args.num_hosts, args.host_id)
     if cfg is None:
         cfg = demo_config(**overrides)
     devices = jax.devices()
@@ -271,64 +221,6 @@ def _advance(bar, feed, step: int) -> None:
         bar.set_postfix_str(f"{feed.tokens / max(1e-9, span):,.0f} tok/s", refresh=False)
 
 
-def _report(args, stats: dict[str, Any], start_step: int) -> int:
-    """Prints the summary (the lead process, for every host) and returns the exit status:
-    1 for a fresh run that delivered nothing, unless ``--allow-empty``."""
-    import jax
-
-    from jax_side import multihost
-
-    if jax.process_count() > 1:
-        stats = multihost.combine_stats(multihost.allgather_json(stats, "the run summaries"))
-        if jax.process_index() != 0:
-            return 0
-    stats = _json_safe(stats)
-    if not stats.get("documents_counted", True):
-        stats["documents"] = None
-    for line in _summary_lines(stats):
-        print(line, file=sys.stderr)
-    if args.json:
-        print(json.dumps(stats, sort_keys=True, allow_nan=False))
-    if stats["steps"] == 0 and start_step == 0:
-        # A fresh run that delivered nothing: every document skipped, say, or no rows at all.
-        if not getattr(args, "allow_empty", False):
-            print(f"ingest: error: {_empty_run_message(stats)}", file=sys.stderr)
-            return 1
-        print(f"ingest: {_empty_run_message(stats)} (allowed by --allow-empty)",
-              file=sys.stderr)
-    return 0
-
-
-def _json_safe(x: Any) -> Any:
-    """``x`` with every NaN or infinite float replaced by None (JSON has no NaN)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    return x
-
-
-def _empty_run_message(s: dict[str, Any]) -> str:
-    """Why a run delivered no batch, from its summary."""
-    skipped = sum(n for per_file in s["skipped_documents"].values() for n in per_file.values())
-    reasons = ", ".join(sorted(s["skipped_documents"]))
-    causes = []
-    if skipped:
-        causes.append(f"{skipped} document(s) were skipped ({reasons}; on_bad_document: skip)")
-    if s["skipped_rows_of_bad_files"]:
-        causes.append(f"{sum(s['skipped_rows_of_bad_files'].values())} row(s) of unreadable "
-                      f"data were skipped (on_bad_file: skip)")
-    if s["skipped_files"]:
-        causes.append(f"{len(s['skipped_files'])} unreadable file(s) were skipped")
-    if s.get("dropped_rows"):
-        causes.append(f"drop_remainder dropped {s['dropped_rows']} row(s): no step was full")
-    why = "; ".join(causes) if causes else "the sources gave no rows"
-    return (f"the run delivered no batch: {why}. Fix the sources (or on_bad_document / "
-            f"on_bad_file / drop_remainder), or pass --allow-empty if an empty run is expected")
-
-
 def prepare_environment(args) -> None:
     """Process-wide settings that must precede ``import ray``.
 
@@ -361,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     prepare_environment(args)
-    from jax_side.multihost import ClusterJoinError, PeerError  # noqa: PLC0415
+    from jax_side.host_join import ClusterJoinError  # noqa: PLC0415
+    from jax_side.multihost import PeerError  # noqa: PLC0415
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:
@@ -372,7 +265,7 @@ def _main(argv: list[str] | None) -> int:
 
             return materialize_command(args)
         if args.hosts:
-            from jax_side.multihost import launch_local_hosts
+            from jax_side.local_hosts import launch_local_hosts
 
             cfg = load_config(args.config) if args.config else demo_config()
             return launch_local_hosts(sys.argv[1:] if argv is None else list(argv), args,
@@ -417,9 +310,9 @@ def _host() -> str:
 
 
 def _leave_if_distributed(code: int, *, print_traceback: bool = False) -> None:
-    """A failed process of a multi-process run leaves at once (see ``multihost.leave``)."""
+    """A failed process of a multi-process run leaves at once (see ``host_join.leave``)."""
     if _host():
-        from jax_side.multihost import leave
+        from jax_side.host_join import leave
 
         if print_traceback:
             import traceback

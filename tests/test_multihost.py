@@ -384,7 +384,8 @@ def test_a_peer_that_stalls_without_dying_fails_the_agreement_naming_it_and_the_
 
 
 def _child_steps(spec: dict[str, Any], out: Path) -> None:
-    from jax_side.multihost import PeerError, leave
+    from jax_side.host_join import leave
+    from jax_side.multihost import PeerError
 
     config = feed_config(Path(spec["corpus"]), spec["seed"])
     stall = spec.get("stall")
@@ -530,7 +531,7 @@ def slurm_env(process: int, processes: int) -> dict[str, str]:
     ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, None),  # not the set JAX reads
 ])
 def test_cluster_environments_are_the_ones_jax_detects(monkeypatch, env, found):
-    from jax_side.multihost import detected_cluster
+    from jax_side.host_join import detected_cluster
 
     for name in _SCHEDULER_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -540,14 +541,14 @@ def test_cluster_environments_are_the_ones_jax_detects(monkeypatch, env, found):
 
 
 def test_a_coordinator_address_alone_is_refused_before_joining(monkeypatch):
-    from jax_side import multihost
+    from jax_side import host_join
 
     for name in _SCHEDULER_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     with pytest.raises(RuntimeError, match="JAX_COORDINATOR_ADDRESS=127.0.0.1:1 is set, but no "
                                            "cluster environment"):
-        multihost.initialize(None, None, None)
+        host_join.initialize(None, None, None)
     assert not jax.distributed.is_initialized()
 
 
