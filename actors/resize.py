@@ -95,12 +95,9 @@ class PoolResizing:
             return
         keep, drop = self._workers[:n], self._workers[n:]
         load = self._load()
-        moves = []
-        for w in drop:
-            for t in load[id(w)]:
-                idlest = min(keep, key=lambda k: len(load[id(k)]))
-                load[id(idlest)].append(t)
-                moves.append((t, idlest))
+        by_id = {id(w): w for w in keep}
+        moves = [(t, by_id[k]) for t, k in orphans.spread(
+            [t for w in drop for t in load[id(w)]], {k: load[k] for k in by_id})]
         self._workers = keep
         log.info("shrinking the pool to %d workers: moving streams %s", n, [t for t, _ in moves])
         self._move(moves)
