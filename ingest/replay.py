@@ -32,11 +32,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.chunk import Chunk, ChunkStream, state_from_json
+from ingest.columns import numpy_view
 from ingest.config import Config
 from ingest.errors import BadInputError
 from ingest.segments import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
 from ingest.shift import FIELDS
-from ingest.sources import FileInfo, numpy_view
+from ingest.sources import FileInfo
 from ingest.units import Unit, UnitPlan, Units
 
 __all__ = ["MaterializedPlan", "ReplayState", "ReplayStream", "build_replay_plan"]

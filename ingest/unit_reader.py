@@ -17,10 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ingest.columns import decode_texts, numpy_view
 from ingest.config import Config
 from ingest.errors import BAD_REASONS, BadInputError
 from ingest.plan import deal_units, philox
-from ingest.sources import decode_texts, numpy_view, position, read_texts
+from ingest.sources import position, read_texts
 from ingest.tokenize import Tokenizer, bos_id_of, docs_of, with_bos, with_eos
 from ingest.units import UnitPlan
 
@@ -256,6 +257,6 @@ def _dealt(plan: UnitPlan, *, num_streams: int, seed: int, epoch: int, shuffle: 
 
 def _int64_array(values: np.ndarray) -> pa.Array:
     """A numpy integer array as an Arrow int64 array, zero-copy. ``pa.array`` would import
-    pandas to inspect its argument (see ``ingest.sources.numpy_view``)."""
+    pandas to inspect its argument (see ``ingest.columns.numpy_view``)."""
     values = np.ascontiguousarray(values, dtype=np.int64)
     return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])

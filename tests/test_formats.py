@@ -16,7 +16,8 @@ import pytest
 
 from ingest import BadInputError, Stream, build_plan, jsonl, paths, sources
 from ingest import plan as plan_module
-from ingest.sources import decode_texts, describe_file, read_texts
+from ingest.columns import decode_texts
+from ingest.sources import describe_file, read_texts
 from tests.helpers import (
     all_streams,
     drain,
