@@ -18,13 +18,9 @@ pattern is cl100k's for a vocabulary over 60,000 ranks, else GPT-2's.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
-import hashlib
 import importlib.util
 import itertools
-import json
 import operator
 import os
 from typing import Protocol
@@ -33,37 +29,12 @@ import numpy as np
 
 from ingest.bpe_backend import accelerate
 from ingest.cache import cached_by_files
+from ingest.vocab_files import GPT2_PATTERN, hf_folder_files, tiktoken_file_encoding
 
 __all__ = ["Tokenizer", "bos_id_of", "docs_of", "load_tokenizer", "with_bos", "with_eos"]
 
-# GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
-_GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eot_id|>")
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
-_CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
-                   r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
-_O200K_PATTERN = "|".join([
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""",
-    r"""\s+""",
-])
-# OpenAI's encodings by the SHA-256 of their ranks written canonically (one ``base64 rank``
-# line per rank, in rank order: the published files' hashes): name, pattern, special tokens.
-_KNOWN_RANKS = {
-    "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930":
-        ("r50k_base", _GPT2_PATTERN, {"<|endoftext|>": 50256}),
-    "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069":
-        ("p50k_base", _GPT2_PATTERN, {"<|endoftext|>": 50256}),
-    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7":
-        ("cl100k_base", _CL100K_PATTERN,
-         {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
-          "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}),
-    "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d":
-        ("o200k_base", _O200K_PATTERN, {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}),
-}
 
 
 class Tokenizer(Protocol):
@@ -276,7 +247,7 @@ def _gpt2() -> TiktokenTokenizer:
     files = [os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json")]
     ranks = cached_by_files("gpt2-ranks", files,
                             lambda: tiktoken.load.data_gym_to_mergeable_bpe_ranks(*files))
-    enc = tiktoken.Encoding("gpt2_offline", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
+    enc = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": 50256})
     return TiktokenTokenizer("gpt2", enc, 50256)
 
@@ -295,107 +266,15 @@ def _cl100k() -> TiktokenTokenizer:
 def _tiktoken_file(path: str) -> TiktokenTokenizer:
     import tiktoken
 
-    ranks = cached_by_files("tiktoken-ranks-checked", [path],
-                            lambda: read_tiktoken_ranks(path))
-    known = _KNOWN_RANKS.get(_ranks_hash(ranks))
-    if known is not None:
-        _, pattern, specials = known
-    else:
-        pattern = _CL100K_PATTERN if len(ranks) > 60_000 else _GPT2_PATTERN
-        specials = {"<|endoftext|>": max(ranks.values()) + 1}
-    eos = specials["<|endoftext|>"]
+    ranks, pattern, specials = tiktoken_file_encoding(path)
     enc = tiktoken.Encoding(os.path.basename(path), pat_str=pattern, mergeable_ranks=ranks,
                             special_tokens=specials)
-    return TiktokenTokenizer(path, enc, eos)
-
-
-def _ranks_hash(ranks: dict[bytes, int]) -> str:
-    """SHA-256 of ranks written canonically (``base64 rank`` lines in rank order)."""
-    h = hashlib.sha256()
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        h.update(base64.b64encode(token) + b" %d\n" % rank)
-    return h.hexdigest()
-
-
-def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
-    """A ``.tiktoken`` file's ranks (one ``base64-token rank`` pair a line), checked: a
-    damaged file is named with its line here, not a crash inside the tokenizer later.
-
-    Raises:
-      ValueError: an empty file, a line that is not ``BASE64 RANK``, a rank given twice or a
-        token listed twice, or a vocabulary lacking a single byte (BPE starts from bytes).
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    fix = "replace it with a complete .tiktoken file (one 'BASE64TOKEN RANK' pair a line)"
-    ranks: dict[bytes, int] = {}
-    line_of: dict[int, int] = {}
-    for lineno, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = [p.decode("utf-8", "replace") for p in line.split()]
-        where = f"tokenizer={path!r}, line {lineno} ({line[:60].decode('utf-8', 'replace')!r})"
-        if len(parts) != 2:
-            raise ValueError(f"{where}: expected 'BASE64TOKEN RANK'; {fix}")
-        try:
-            token = base64.b64decode(parts[0], validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError(f"{where}: {parts[0][:40]!r} is not base64; {fix}") from None
-        if not parts[1].isdigit():
-            raise ValueError(f"{where}: rank {parts[1][:20]!r} is not an integer >= 0; "
-                             f"{fix}") from None
-        rank = int(parts[1])
-        if rank in line_of:
-            raise ValueError(f"{where}: rank {rank} was already given on line "
-                             f"{line_of[rank]}; ranks must be unique; {fix}")
-        if token in ranks:
-            raise ValueError(f"{where}: this token already has rank {ranks[token]}; {fix}")
-        ranks[token] = rank
-        line_of[rank] = lineno
-    if not ranks:
-        raise ValueError(f"tokenizer={path!r} is empty ({len(data)} bytes, no ranks); {fix}")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
-        raise ValueError(
-            f"tokenizer={path!r} has no token for {len(missing)} single byte(s) (e.g. "
-            f"{bytes(missing[:4])!r}): every byte needs a rank for BPE to encode any text; "
-            f"{fix}")
-    return ranks
-
-
-def _special_token(value) -> str | None:
-    """A special token's string in a HF config (a string, or ``{"content": ...}``)."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+    return TiktokenTokenizer(path, enc, specials["<|endoftext|>"])
 
 
 def _hf_folder(path: str) -> HFTokenizer:
-    """A local Hugging Face model folder: its ``tokenizer.json``, and the ``eos_token`` and
-    ``bos_token`` its ``tokenizer_config.json`` (else ``special_tokens_map.json``) names."""
-    tok_json = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_json):
-        present = sorted(os.listdir(path))[:12]
-        raise ValueError(
-            f"tokenizer={path!r} is a folder without tokenizer.json (it has {present}); give "
-            f"a folder holding a Hugging Face tokenizer.json (models with only a "
-            f"sentencepiece or vocab file need converting: save it with a fast tokenizer)")
-    named: dict[str, str] = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            continue
-        try:
-            with open(file, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"tokenizer={path!r}: {name} is not valid JSON ({e}); fix or "
-                             f"remove it") from e
-        for role in ("eos_token", "bos_token"):
-            if isinstance(cfg, dict) and (token := _special_token(cfg.get(role))) is not None:
-                named[role] = token
-    return HFTokenizer(tok_json, eos=named.get("eos_token"), bos=named.get("bos_token"),
-                       name=path)
+    tok_json, eos, bos = hf_folder_files(path)
+    return HFTokenizer(tok_json, eos=eos, bos=bos, name=path)
 
 
 @functools.cache

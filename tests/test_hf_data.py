@@ -15,7 +15,8 @@ import tiktoken.load
 
 from ingest import BadInputError, ConfigError, Stream, build_plan
 from ingest.config import Config, SourceConfig
-from ingest.tokenize import load_tokenizer, read_tiktoken_ranks
+from ingest.tokenize import load_tokenizer
+from ingest.vocab_files import read_tiktoken_ranks
 from tests.helpers import (
     all_streams,
     drain,
