@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import jax
 import pytest
@@ -24,6 +25,20 @@ def _plasma_bytes(address: str) -> int:
     return int(m.group(1)) * 2**20
 
 
+def _settled_plasma_bytes(address: str, timeout_s: float = 20.0) -> int:
+    """The store's usage once two readings 0.5 s apart agree: objects of an earlier test are
+    freed asynchronously, and a baseline taken while they go would hide the feed's bytes."""
+    last = _plasma_bytes(address)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        threading.Event().wait(0.5)
+        now = _plasma_bytes(address)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _config(tmp_path, **kw) -> Config:
     write_parquet_corpus(tmp_path, n_files=2, docs_per_file=200, row_group_size=25, seed=5)
     fields = dict(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=1024,
@@ -37,7 +52,7 @@ def test_object_store_stays_under_the_budget_while_the_consumer_pauses(ray_clust
     # One chunk is 6 x 16 x 1024 x 4 B = 384 KiB; 8 streams x (prefetch 8 + 1) would be 27 MiB.
     cfg = _config(tmp_path, object_store_budget_mb=8)
     sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
-    baseline = _plasma_bytes(ray_cluster)
+    baseline = _settled_plasma_bytes(ray_cluster)
     with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
         for _, _ in zip(range(3), feed, strict=False):
             pass
