@@ -2,8 +2,9 @@
 
 Every violation is collected and reported together (`ConfigError`), naming the field, what
 arrived and how to fix it (the checks: ``ingest.config_checks``, ``ingest.source_config``,
-``ingest.config_memory``; reading YAML: ``ingest.config_yaml``). Fields that change the batches (`output_fields`) are fingerprinted
-into every checkpoint; the rest (workers, chunk_rows, prefetch) may change between runs.
+``ingest.config_memory``; reading YAML: ``ingest.config_yaml``). Fields that change the
+batches (`output_fields`) are fingerprinted into every checkpoint; the rest (workers,
+chunk_rows, prefetch) may change between runs.
 
 The runtime knobs ``chunk_rows``, ``streams_per_call`` and ``prefetch`` default to null, which
 resolves them from ``seq_len``, ``num_streams``, ``workers`` and ``object_store_budget_mb``

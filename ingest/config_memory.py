@@ -79,9 +79,11 @@ def check_memory(config: Any, *, streams: int | None = None,
     per_stream = config.prefetch + 2
     chunk_need = owned * per_stream * config.chunk_bytes
     if chunk_need > total:
-        lower = "prefetch or seq_len" if config.chunk_rows == 1 else "chunk_rows, prefetch or seq_len"
+        lower = ("prefetch or seq_len" if config.chunk_rows == 1
+                 else "chunk_rows, prefetch or seq_len")
+        auto = " (automatic)" if config.is_auto("chunk_rows") else ""
         problems.append(
-            f"chunk_rows={config.chunk_rows:,}{' (automatic)' if config.is_auto('chunk_rows') else ''}"
+            f"chunk_rows={config.chunk_rows:,}{auto}"
             f" x seq_len={config.seq_len:,} x 6 fields x 4 "
             f"bytes = {_size(config.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
             f"prefetch={config.prefetch} + 2 chunks each (in flight, being read, being "

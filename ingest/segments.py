@@ -4,10 +4,11 @@ segment (``ingest.materialize`` runs the job, ``ingest.replay`` feeds the segmen
 A segment holds the six fields of ``ingest.shift.FIELDS`` as int32 columns with one value per
 token: ``rows x seq_len`` values, row-major (row r is values ``[r L, (r + 1) L)``), in row
 groups of whole rows. Flat columns decode several times faster than ``fixed_size_list<int32>``
-columns, and replay is mostly decoding. A segment's ``sha256`` hashes its content, independent of the encoding:
-its rows in order, each row as its six fields in ``FIELDS`` order, int32 little-endian. Its
-``file_sha256`` hashes the file's bytes: replay checks it once per process when it first opens
-the segment (reading the file once, which also warms the page cache for the decoding).
+columns, and replay is mostly decoding. A segment's ``sha256`` hashes its content, independent
+of the encoding: its rows in order, each row as its six fields in ``FIELDS`` order, int32
+little-endian. Its ``file_sha256`` hashes the file's bytes: replay checks it once per process
+when it first opens the segment (reading the file once, which also warms the page cache for
+the decoding).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def check_compatible(state: dict[str, Any], config: Config, plan: UnitPlan) -> N
     moved = _moved(state, now, plan)
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key) and not (key == "sources" and moved):
-            problems.append(f"{key}: checkpoint has {saved.get(key)!r}, config has {now.get(key)!r}")
+            problems.append(f"{key}: checkpoint has {saved.get(key)!r}, config has "
+                            f"{now.get(key)!r}")
     if state.get("corpus_fingerprint") != plan.fingerprint and not moved:
         problems.append(f"the corpus changed (fingerprint {state.get('corpus_fingerprint')} in "
                         f"the checkpoint, {plan.fingerprint} now): files were added, removed or "
