@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
@@ -9,6 +10,7 @@ import time
 import jax
 import pytest
 from ray._private import internal_api
+from ray._private import state as ray_state
 
 from ingest import Config, SourceConfig
 from jax_side import HostFeed, batch_sharding
@@ -25,18 +27,23 @@ def _plasma_bytes(address: str) -> int:
     return int(m.group(1)) * 2**20
 
 
-def _settled_plasma_bytes(address: str, timeout_s: float = 20.0) -> int:
-    """The store's usage once two readings 0.5 s apart agree: objects of an earlier test are
-    freed asynchronously, and a baseline taken while they go would hide the feed's bytes."""
-    last = _plasma_bytes(address)
+def _settled_plasma_bytes(address: str, timeout_s: float = 30.0) -> int:
+    """The store's usage once earlier tests' objects are gone: their reference cycles are
+    collected, their actors have died, and readings over 2 s agree. Objects freed while the
+    feed runs would hide the feed's own bytes."""
+    gc.collect()
     deadline = time.monotonic() + timeout_s
+    wait = threading.Event()
+    while time.monotonic() < deadline and any(
+            a["State"] != "DEAD" for a in ray_state.actors().values()):
+        wait.wait(0.25)
+    readings = [_plasma_bytes(address)]
     while time.monotonic() < deadline:
-        threading.Event().wait(0.5)
-        now = _plasma_bytes(address)
-        if now == last:
-            return now
-        last = now
-    return last
+        wait.wait(0.5)
+        readings = [*readings[-3:], _plasma_bytes(address)]
+        if len(readings) == 4 and len(set(readings)) == 1:
+            break
+    return readings[-1]
 
 
 def _config(tmp_path, **kw) -> Config:
@@ -65,11 +72,14 @@ def test_object_store_stays_under_the_budget_while_the_consumer_pauses(ray_clust
         for _, _ in zip(range(3), feed, strict=False):
             pass
         stats = feed.stats()
+    after = _settled_plasma_bytes(ray_cluster)
     assert stats["object_store_bytes_bound"] <= 8 * 2**20
     assert 0 < stats["object_store_bytes_peak"] <= stats["object_store_bytes_bound"]
     # Ray reports whole MiB; the plan object and rounding get 1 MiB of slack.
     assert peak <= 8 * 2**20 + 2**20, f"object store held {peak / 2**20:.1f} MiB"
-    assert peak > 2**20, "the paused feed should have filled part of its budget"
+    assert peak > 2**20, (
+        f"the paused feed should have filled part of its budget; the store held "
+        f"{baseline / 2**20:.0f} MiB before the feed and {after / 2**20:.0f} MiB after it")
 
 
 def test_a_budget_below_one_chunk_per_stream_is_refused_with_the_minimum(tmp_path):
