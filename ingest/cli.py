@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "skipped, say); without it that is an error (exit 1)")
     r.add_argument("--step-time", type=float, default=0.0, metavar="SECONDS",
                    help="simulate a training step of this many seconds after each batch")
+    r.add_argument("--no-warm-start", action="store_true",
+                   help="the Ray workers make every chunk (by default this process makes the "
+                        "first ones while Ray starts, and the workers take over where it is)")
     r.add_argument("--kill-worker-every", type=float, metavar="SECONDS",
                    help="fault injection: SIGKILL a random Ray worker this often (the batches "
                         "must not change)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,8 +43,10 @@ class ChunkSource(Protocol):
 class LocalSource:
     """The ``local`` backend: the same streams, run in this process, without Ray."""
 
-    def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int]):
+    def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
+                 rows: int | None = None):
         self._config = config
+        self._rows = rows or config.chunk_rows  # rows per chunk
         self._streams = {s: open_stream(config, plan, s) for s in stream_ids}
         self.num_workers = 0
         self.wait_s = 0.0
@@ -57,8 +59,13 @@ class LocalSource:
                 self._streams[s].produce(skip)
 
     def next_chunk(self, s: int) -> Chunk:
+        return self.next_rows(s)
+
+    def next_rows(self, s: int, at_most: int | None = None) -> Chunk:
+        """The next chunk of stream ``s``, of at most ``at_most`` rows (None: a whole one)."""
         t0 = time.perf_counter()
-        c = self._streams[s].produce(self._config.chunk_rows)
+        n = self._rows if at_most is None else min(self._rows, at_most)
+        c = self._streams[s].produce(n)
         self.wait_s += time.perf_counter() - t0
         return c
 
@@ -104,6 +111,9 @@ class ChunkIntake:
       backend: ``ray`` (a ``WorkerPool``; Ray must be initialized) or ``local``.
       workers: Ray worker actors of the pool.
       get_timeout_s: the longest one chunk may take (ray).
+      await_ray: returns once Ray is up (raises what starting it raised). Given, the host
+        makes the first chunks itself until the pool's workers run (``jax_side.warm_start``).
+      step_rows: rows of each stream per step (the host's chunks while Ray starts).
 
     Attributes:
       cursors: each owned stream's ``StreamCursor``.
@@ -112,13 +122,16 @@ class ChunkIntake:
     """
 
     def __init__(self, config: Config, plan: UnitPlan, streams: tuple[int, ...], *,
-                 backend: str, workers: int, get_timeout_s: float):
+                 backend: str, workers: int, get_timeout_s: float,
+                 await_ray: Callable[[], None] | None = None, step_rows: int = 1):
         self.config = config
         self.plan = plan
         self.streams = streams
         self.backend = backend
         self.workers = workers
         self._timeout = get_timeout_s
+        self._await_ray = await_ray
+        self._step_rows = step_rows
         self.cursors = {s: StreamCursor() for s in streams}
         self.source: ChunkSource | None = None
         self.pool_stats = PoolStats()
@@ -133,8 +146,18 @@ class ChunkIntake:
         else:
             from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)
 
-            src = WorkerPool(self.config, self.plan, ids, num_workers=self.workers,
-                             get_timeout_s=self._timeout)
+            def make_pool(workers: int) -> WorkerPool:
+                return WorkerPool(self.config, self.plan, ids, num_workers=workers,
+                                  get_timeout_s=self._timeout)
+
+            if self._await_ray is not None:
+                from jax_side.warm_start import WarmStartSource  # noqa: PLC0415
+
+                src = WarmStartSource(self.config, self.plan, ids, await_ray=self._await_ray,
+                                      make_pool=make_pool, workers=self.workers,
+                                      step_rows=self._step_rows, get_timeout_s=self._timeout)
+            else:
+                src = make_pool(self.workers)
         src.open({s: (c.base, c.extra) for s, c in self.cursors.items()})
         self.source = src
 

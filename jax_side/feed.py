@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -65,6 +66,11 @@ class HostFeed(FeedCounters):
       get_timeout_s: the longest one chunk may take (ray) before an error names it.
       agreement_timeout_s: with several JAX processes, the longest wait for the others at the
         end-of-data agreement before ``multihost.PeerError`` names those that never came.
+      await_ray: (ray) a call that returns once Ray is up, or raises what starting it raised
+        (for a feed built while ``ray.init`` runs on another thread; ``lambda: None`` when Ray
+        is up). Given, this process makes the first chunks itself until the workers run, then
+        hands each stream to them where it is (``jax_side.warm_start``); the batches are the
+        same.
 
     With several JAX processes, each builds one on the same global sharding and iterates it in
     step; at the end of finite data they agree on the last step (``jax_side.multihost``), and
@@ -80,7 +86,8 @@ class HostFeed(FeedCounters):
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
                  workers: int | None = None, plan: UnitPlan | None = None,
                  device_prefetch: int = 4, get_timeout_s: float = 300.0,
-                 agreement_timeout_s: float = AGREEMENT_TIMEOUT_S):
+                 agreement_timeout_s: float = AGREEMENT_TIMEOUT_S,
+                 await_ray: Callable[[], None] | None = None):
         if backend not in ("ray", "local"):
             raise ValueError(f"backend={backend!r} must be 'ray' or 'local'")
         if not isinstance(sharding, NamedSharding):
@@ -111,7 +118,8 @@ class HostFeed(FeedCounters):
         self._timeout = get_timeout_s
         self._intake = ChunkIntake(config, self.plan, self._rows.streams, backend=backend,
                                    workers=workers if workers is not None else config.workers,
-                                   get_timeout_s=get_timeout_s)
+                                   get_timeout_s=get_timeout_s, await_ray=await_ray,
+                                   step_rows=config.batch_size_at(0) // config.num_streams)
         self._header = StateHeader.of(config, self.plan)
         self._length = LengthEstimator(config, self.plan)
         self._step = 0

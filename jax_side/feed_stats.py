@@ -18,7 +18,7 @@ from ingest.plan import UnitPlan
 __all__ = ["FeedCounters", "PoolStats", "steady_window_start", "stream_counters"]
 
 _POOL_STATS = ("restarts", "cpu_waits", "cpu_wait_s", "bytes_bound", "bytes_peak", "num_pending",
-               "num_workers")
+               "num_workers", "host_rows")
 _POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
@@ -177,6 +177,8 @@ class PoolStats:
             "object_store_bytes_peak": self._stat(source, "bytes_peak"),
             "rows_per_s_by_worker": self._rates(source, "rows_by_worker"),
             "rows_per_s_by_stream": self._rates(source, "rows_by_stream"),
+            # Rows this process made itself while Ray started (jax_side.warm_start).
+            "warm_start_rows": self._stat(source, "host_rows"),
         }
 
 

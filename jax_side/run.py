@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ingest.cli import parse_args
@@ -67,7 +68,9 @@ def run_command(args) -> int:
         ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
     held = contextlib.ExitStack()  # the checkpoint directory's lock, for the whole run
     try:
-        opened = _open_feed(args, cfg, overrides, held)
+        # The feed makes its first chunks in this process while Ray starts (warm start).
+        warm = ray_started is not None and not args.no_warm_start
+        opened = _open_feed(args, cfg, overrides, held, ray_started.wait if warm else None)
     except BaseException:
         held.close()
         if ray_started is not None:
@@ -78,7 +81,7 @@ def run_command(args) -> int:
             ray_started.join()
         return 2
     feed, manager = opened
-    if ray_started is not None:
+    if ray_started is not None and not warm:
         ray_started.wait()
     start_step = feed.get_state()["step"]
     digest = BatchDigest() if args.digest else None
@@ -90,12 +93,16 @@ def run_command(args) -> int:
         held.close()
         stats = feed.stats()
         feed.close()
+        if ray_started is not None:
+            ray_started.join()  # a run may end before Ray is up
         if args.backend == "ray":
             import ray
 
             # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
             # first, so that with --json the summary really is the last line.
             ray.shutdown()
+    if ray_started is not None:
+        ray_started.wait()  # a Ray that failed to start fails the run, done or not
     stats["startup_s"] = (first_batch_at - t_start) if first_batch_at else float("nan")
     if killed is not None:
         stats["workers_killed"] = killed
@@ -106,7 +113,8 @@ def run_command(args) -> int:
     return run_summary.report(args, stats, start_step)
 
 
-def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contextlib.ExitStack):
+def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contextlib.ExitStack,
+               await_ray: Callable[[], None] | None):
     """Joins the JAX processes, builds the feed over all devices (on the demo when ``cfg`` is
     None), opens the checkpoint directory (locked by the lead process, in ``held``) and
     restores it with ``--resume``. Returns ``(feed, manager)`` (manager None without
@@ -131,7 +139,7 @@ def _open_feed(args, cfg: Config | None, overrides: dict[str, Any], held: contex
     timeouts = ({} if args.agreement_timeout is None
                 else {"agreement_timeout_s": args.agreement_timeout})
     feed = HostFeed(cfg, sharding=batch_sharding(mesh, "data"), backend=args.backend,
-                    **timeouts)
+                    await_ray=await_ray, **timeouts)
     if not args.checkpoint_dir:
         return feed, None
     from jax_side import checkpoint

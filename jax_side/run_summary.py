@@ -21,7 +21,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
            f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else ""),
         f"backend {s['backend']}  workers {s['workers']}"
         + (f" ({s['pending_workers']} pending: no CPU for them)" if s.get("pending_workers")
-           else "") + f"  restarts {s['restarts']}  "
+           else "")
+        + (f" (the first {s['warm_start_rows']:,} rows made here while Ray started)"
+           if s.get("warm_start_rows") else "") + f"  restarts {s['restarts']}  "
         + (f"(waited {s['cpu_wait_s']:.0f} s for a CPU {s['cpu_waits']} time(s))  "
            if s.get("cpu_waits") else "")
         + f"streams {s['streams']}  "

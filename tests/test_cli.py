@@ -243,8 +243,10 @@ def test_more_workers_than_cpus_get_a_local_cluster_with_a_cpu_each(job, cache_d
         pytest.skip(f"{cpus} CPUs: one worker more than that exceeds the job's streams")
     # No --address: the command starts its own cluster. Before, it had one CPU per core, so
     # the last worker never started and the run waited for it until the 300 s timeout.
+    # --no-warm-start: the workers make every row, so each must have made some.
     proc = run_cli(["run", str(job / "config.yaml"), "--steps", str(STEPS), "--digest",
-                    "--json", "--no-progress", "--workers", str(workers)], cache_dir=cache_dir)
+                    "--json", "--no-progress", "--workers", str(workers), "--no-warm-start"],
+                   cache_dir=cache_dir)
     s = summary(proc)
     assert s["workers"] == workers
     assert len(s["rows_per_s_by_worker"]) == workers, "every worker should have made rows"
@@ -347,16 +349,39 @@ def test_demo_runs_without_a_config(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
+def test_the_first_batches_come_while_ray_starts_and_the_workers_take_over(job, tmp_path,
+                                                                           ray_cluster):
+    # The run starts its own local cluster (seconds); 400 steps of 0.04 s outlast that.
+    config = tmp_path / "endless.yaml"
+    config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None,
+                                          sources=[{"paths": [str(job / "corpus")]}])))
+    steps = 400
+    s = summary(run_cli(["run", str(config), "--steps", str(steps), "--digest", "--json",
+                         "--no-progress", "--step-time", "0.04", "--workers", "2"],
+                        cache_dir=tmp_path))
+    assert s["warm_start_rows"] > 0, "the first rows should come from the command's process"
+    assert len(s["rows_per_s_by_worker"]) == 2, "both workers should have taken over"
+    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+    expected = BatchDigest()
+    with HostFeed(load_config(str(config)), sharding=sharding, backend="local") as feed:
+        for _, batch in zip(range(steps), feed, strict=False):
+            expected.update({k: np.asarray(v) for k, v in batch.items()})
+    assert s["digest"] == expected.hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
 def test_kill_worker_every_keeps_the_digest_and_json_stays_the_last_line(job, tmp_path,
                                                                           ray_cluster):
     # Hundreds of steps, endless epochs and a simulated 0.03 s training step: about 6 s, so
     # kills every 1.5 s land.
     # Each run starts its own local cluster (no --address): kills hit this run's workers only.
+    # --no-warm-start: the workers run from the first step, so the kills land.
     config = tmp_path / "endless.yaml"
     config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None,
                                           sources=[{"paths": [str(job / "corpus")]}])))
     base = ["run", str(config), "--steps", "200", "--digest", "--json", "--no-progress",
-            "--step-time", "0.03", "--workers", "2"]
+            "--step-time", "0.03", "--workers", "2", "--no-warm-start"]
     unbroken = summary(run_cli(base, cache_dir=tmp_path))
     killed = summary(run_cli(base + ["--kill-worker-every", "1.5"], cache_dir=tmp_path))
     assert killed["digest"] == unbroken["digest"]

@@ -306,10 +306,11 @@ def test_address_auto_with_a_stale_file_names_the_file(job, ray_tmp):
 
 
 def start_slow_run(job: Path, env: dict[str, str], log: Path, *extra: str) -> subprocess.Popen:
-    """A run that takes a second per step, with a digest line per step in ``log``."""
+    """A run that takes a second per step, with a digest line per step in ``log``; its
+    workers make every chunk (no warm start), so they run by its first step."""
     return subprocess.Popen(
         ingest(["run", str(job), "--no-progress", "--step-time", "1", "--digest-log", str(log),
-                *extra]),
+                "--no-warm-start", *extra]),
         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL, text=True)
 

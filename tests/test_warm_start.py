@@ -1,0 +1,146 @@
+"""Warm start: the host makes the first chunks while Ray starts, then the workers take over
+where each stream is; the batches are those of the local backend, bit for bit."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from ingest import BatchDigest, Config, SourceConfig
+from jax_side import HostFeed, batch_sharding
+from jax_side.warm_start import WarmStartSource
+from tests.helpers import write_parquet_corpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("warm")
+    write_parquet_corpus(d, n_files=3, docs_per_file=120, row_group_size=20, seed=11)
+    return d
+
+
+def _config(corpus, **kw) -> Config:
+    fields = dict(sources=(SourceConfig(paths=(str(corpus),)),), seq_len=32,
+                  global_batch_size=16, num_streams=8, num_epochs=2, unit_rows=10,
+                  chunk_rows=4, prefetch=2, workers=2)
+    fields.update(kw)
+    return Config(**fields)
+
+
+def _sharding():
+    return batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
+
+
+def _digest(batch) -> str:
+    d = BatchDigest()
+    d.update({k: np.asarray(v) for k, v in batch.items()})
+    return d.hexdigest()
+
+
+class Gate:
+    """``await_ray`` that returns once the test opens it: Ray is "up" at a step of its
+    choosing. With ``error``, it raises that instead."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.opened = threading.Event()
+        self.error = error
+
+    def __call__(self) -> None:
+        assert self.opened.wait(WAIT_S), "the test never opened the gate"
+        if self.error is not None:
+            raise self.error
+
+
+def _local_digests(cfg, state=None, steps=None) -> list[str]:
+    with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
+        if state is not None:
+            feed.set_state(state)
+        return [_digest(b) for _, b in zip(range(steps or 10**9), feed, strict=False)]
+
+
+def _wait_for_handoff(feed: HostFeed) -> None:
+    src = feed._intake.source
+    assert isinstance(src, WarmStartSource)
+    assert src._opened.wait(WAIT_S), "the workers never took over"
+
+
+def test_the_workers_take_over_mid_run_and_the_batches_do_not_change(ray_cluster, corpus):
+    cfg = _config(corpus)
+    expected = _local_digests(cfg)
+    assert len(expected) > 30
+    gate = Gate()
+    got = []
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+        for i, batch in enumerate(feed):
+            got.append(_digest(batch))
+            if i == 9:
+                src = feed._intake.source
+                host_rows = src.host_rows
+                gate.opened.set()
+                _wait_for_handoff(feed)
+        stats = feed.stats()
+    assert got == expected
+    # Ten steps of 2 rows on each of 8 streams came from this process before the gate opened
+    # (more may have been made ahead, for the prefetched batches).
+    assert host_rows >= 10 * 2 * 8
+    assert stats["workers"] == 2 and sum(stats["rows_per_s_by_worker"].values()) > 0, stats
+    assert stats["warm_start_rows"] >= host_rows
+
+
+def test_a_restored_feed_starts_warm_at_its_saved_rows(ray_cluster, corpus):
+    cfg = _config(corpus, num_epochs=None)
+    with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
+        for _, _ in zip(range(7), feed, strict=False):  # step 7: mid-chunk on every stream
+            pass
+        state = feed.get_state()
+    assert any(e["taken"] for e in state["streams"].values())
+    expected = _local_digests(cfg, state, steps=60)
+    gate = Gate()
+    got = []
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+        feed.set_state(state)
+        for i, batch in zip(range(60), feed, strict=False):
+            got.append(_digest(batch))
+            if i == 2:
+                gate.opened.set()
+                _wait_for_handoff(feed)
+        stats = feed.stats()
+    assert got == expected
+    assert sum(stats["rows_per_s_by_worker"].values()) > 0, "the workers made no rows"
+
+
+def test_a_pass_ended_before_ray_was_up_restarts_and_hands_off_in_the_next(ray_cluster,
+                                                                           corpus):
+    cfg = _config(corpus, num_epochs=1, reset_after_epoch=True)
+    gate = Gate()
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+        first = [_digest(b) for b in feed]  # every chunk made by this process
+        assert feed._intake.source is None or not feed._intake.source._opened.is_set()
+        second = []
+        for i, batch in enumerate(feed):
+            second.append(_digest(batch))
+            if i == 4:
+                gate.opened.set()
+                _wait_for_handoff(feed)
+        assert feed.passes == 2
+    assert len(first) > 10
+    assert second == first
+
+
+def test_ray_failing_to_start_fails_the_feed_with_its_error(ray_cluster, corpus):
+    cfg = _config(corpus, num_epochs=None)
+    gate = Gate(error=ConnectionError("no Ray cluster at 127.0.0.1:1"))
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+        it = iter(feed)
+        next(it)  # made by this process
+        gate.opened.set()
+        with pytest.raises(ConnectionError, match="no Ray cluster at 127.0.0.1:1"):
+            for _, _ in zip(range(10_000), it, strict=False):
+                pass
