@@ -11,7 +11,9 @@ One invocation measures, on one corpus with one tokenizer, ``seq_len`` and batch
                    the tokenizer again right after ours (2), to show whether the machine's
                    speed moved in between (``limit_drift``)
     2 ours         ``ingest run CONFIG --json``: Ray, one worker per CPU, global arrays on a
-                   mesh of the local devices; process-tree RSS and CPU time sampled
+                   mesh of the local devices; process-tree RSS and CPU time sampled; again
+                   with ``--no-warm-start`` (the workers' own rate: the training step's
+                   time per batch is set from it)
     3 peers        grain (one process, and mp_prefetch with one process per CPU), Ray Data,
                    each on the feed's tokenizer backend; grain again on tiktoken where the
                    feed's backend is a faster one
@@ -127,11 +129,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _ours_section(out: dict[str, Any], spec: BenchSpec) -> dict[str, Any]:
+def _ours_section(out: dict[str, Any], spec: BenchSpec, flags: tuple[str, ...] = ()
+                  ) -> dict[str, Any]:
     if "error" in out:
         return out
     keep = ("steps", "tokens", "tokens_per_s", "steady_tokens_per_s", "steady_from_step",
-            "startup_s", "stall_fraction", "wait_max_s",
+            "startup_s", "stall_fraction", "wait_max_s", "warm_start_rows",
             "workers", "backend", "streams", "padding_rows", "padding_tokens", "documents",
             "restarts", "object_store_bytes_bound", "object_store_bytes_peak",
             "rows_per_s_by_worker", "wall_s", "memory")
@@ -146,7 +149,7 @@ def _ours_section(out: dict[str, Any], spec: BenchSpec) -> dict[str, Any]:
         out["tokens"] / out["steps"] / out["steady_tokens_per_s"]
         if out.get("steps") and out.get("steady_tokens_per_s") else out["seconds_per_batch"])
     out["command"] = "ingest run CONFIG --json --no-progress" + (
-        f" --steps {spec.steps}" if spec.steps else "")
+        f" --steps {spec.steps}" if spec.steps else "") + "".join(f" {f}" for f in flags)
     return out
 
 
@@ -176,6 +179,11 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
                                       >= out["target_of_limit"])
         out["ours_with_startup_over_cpus_x_limit"] = (
             ours["tokens_per_s_with_startup"] / (cpus * limit["tokens_per_s"]))
+    cold = results.get("ours_no_warm_start", {})
+    if "tokens_per_s" in limit and "tokens_per_s" in cold:
+        out["no_warm_start_over_cpus_x_limit"] = cold["tokens_per_s"] / (cpus * limit["tokens_per_s"])
+        out["steady_no_warm_start_over_cpus_x_limit"] = (
+            (cold.get("steady_tokens_per_s") or cold["tokens_per_s"]) / (cpus * limit["tokens_per_s"]))
     again = results["limit"].get("tokenizer_after_ours", {})
     if "tokens_per_s" in limit and "tokens_per_s" in again:
         # Above 1: the machine ran faster after ours than before it (other programs, a
@@ -247,11 +255,12 @@ class _Runner:
                                   ("other", "other_backend"), ("parquet", "parquet"),
                                   ("produce", "produce"))}
 
-    def ours(self, workers: int | None = None) -> dict[str, Any]:
-        _log(f"ours: ingest run, ray backend, {workers or self.spec.cpus} workers")
+    def ours(self, workers: int | None = None, *flags: str) -> dict[str, Any]:
+        _log(f"ours: ingest run, ray backend, {workers or self.spec.cpus} workers "
+             f"{' '.join(flags)}")
         extra = ["--workers", str(workers)] if workers else []
-        out = self.program("jax_side.run", [*self.run_args, *extra], "ingest run")
-        return _ours_section(out, self.spec)
+        out = self.program("jax_side.run", [*self.run_args, *extra, *flags], "ingest run")
+        return _ours_section(out, self.spec, flags)
 
     def scaling(self, ours: dict[str, Any], limit: dict[str, Any]) -> dict[str, Any]:
         """``ingest run`` at each worker count of the sweep (``ours`` is the one at CPUs)."""
@@ -328,10 +337,14 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None, command: st
         runner = _Runner(spec, tmp)
         results["limit"] = runner.limits()
         results["ours"] = runner.ours()
+        # The workers alone from the first row: the pipeline's own rate, without the rows the
+        # command's process makes while Ray starts (warm start).
+        results["ours_no_warm_start"] = runner.ours(None, "--no-warm-start")
         # The tokenizer's limit again: how far the machine's speed moved since the first.
         results["limit"]["tokenizer_after_ours"] = runner.limit("tokenizer",
                                                                 "tokenizer_after_ours")
-        per_batch = results["ours"].get("steady_seconds_per_batch")
+        per_batch = (results["ours_no_warm_start"].get("steady_seconds_per_batch")
+                     or results["ours"].get("steady_seconds_per_batch"))
         results["training_step"] = runner.training_step(per_batch)
         results["scaling"] = ({"skipped": "--quick runs no worker sweep"} if quick else
                               runner.scaling(results["ours"], results["limit"]["tokenizer"]))
@@ -466,7 +479,11 @@ def format_table(r: dict[str, Any]) -> str:
                 f"peak {_mib(ours.get('object_store_bytes_peak'))} MiB (bound "
                 f"{_mib(ours.get('object_store_bytes_bound'))}), Ray's used peak "
                 f"{_mib(store.get('used_peak_bytes'))} MiB (step run)")
-    row(f"ours: ray, {cpus} workers", ours, note)
+    row(f"ours: ray, {cpus} workers", ours, note + (
+        f"; warm start: {ours['warm_start_rows']:,} rows made by the host"
+        if ours.get("warm_start_rows") else ""))
+    if "ours_no_warm_start" in r:
+        row("  the same, --no-warm-start", r["ours_no_warm_start"])
     mem = ours.get("memory") or {}
     if (mem.get("workers") or {}).get("max_process_bytes"):
         wk, host = mem["workers"], mem.get("host") or {}
@@ -533,6 +550,10 @@ def format_table(r: dict[str, Any]) -> str:
                      f"{ra['steady_ours_over_cpus_x_limit']:.2f} (target {ra['target_of_limit']}: "
                      f"{'met' if ra['meets_target_steady'] else 'missed'}); ours / ({cpus} x "
                      f"our produce) = {ra.get('steady_ours_over_cpus_x_produce', 0):.2f}")
+    if "no_warm_start_over_cpus_x_limit" in ra and r["mode"] != "quick":
+        lines.append(f"--no-warm-start: ours / ({cpus} x single-core limit) = "
+                     f"{ra['no_warm_start_over_cpus_x_limit']:.2f}, steady "
+                     f"{ra['steady_no_warm_start_over_cpus_x_limit']:.2f}")
     if "ours_with_startup_over_cpus_x_limit" in ra:
         lines.append(f"counting startup: ours / ({cpus} x single-core limit) = "
                      f"{ra['ours_with_startup_over_cpus_x_limit']:.2f}")

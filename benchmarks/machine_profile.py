@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         data = os.path.join(tmp, "perf.data")
         run = subprocess.Popen(
             [sys.executable, "-m", "jax_side.run", "run",
-             spec.write_run_config(os.path.join(tmp, "run.yaml")), "--json", "--no-progress"],
+             spec.write_run_config(os.path.join(tmp, "run.yaml")), "--json", "--no-progress",
+             "--no-warm-start"],
             cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         deadline = time.monotonic() + 120

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _config_file(args.config, args.epochs, tmp)
         log = os.path.join(tmp, "digests.log")
         cmd = [sys.executable, "-m", "jax_side.run", "run", config, "--json", "--no-progress",
-               "--digest-log", log]
+               "--digest-log", log, "--no-warm-start"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         root = psutil.Process(proc.pid)
