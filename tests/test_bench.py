@@ -87,6 +87,8 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
     step = results["training_step"]
     _positive(step, "step_time_s", "pipeline_seconds_per_batch", "steps")
     assert 0 <= step["stall_fraction"] <= 1
+    _positive(results["training_step_no_warm_start"], "step_time_s", "steps")
+    assert results["ratios"]["rates_from"] == "ours_no_warm_start"
     store = step["memory"]["object_store"]  # Ray's own figure: best effort, else a reason
     assert store["polls_ok"] > 0 or store.get("error")
     _positive(results["ratios"], "ours_over_cpus_x_limit", "ours_over_best_peer_with_startup",
