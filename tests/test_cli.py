@@ -347,14 +347,20 @@ def test_demo_runs_without_a_config(tmp_path):
     assert list(written[0].parent.glob("part-*.parquet"))
 
 
+def _endless_config(job: Path, tmp_path: Path) -> Path:
+    """The job's config with endless epochs, written under ``tmp_path``."""
+    config = tmp_path / "endless.yaml"
+    config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None,
+                                          sources=[{"paths": [str(job / "corpus")]}])))
+    return config
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_the_first_batches_come_while_ray_starts_and_the_workers_take_over(job, tmp_path,
                                                                            ray_cluster):
     # The run starts its own local cluster (seconds); 400 steps of 0.04 s outlast that.
-    config = tmp_path / "endless.yaml"
-    config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None,
-                                          sources=[{"paths": [str(job / "corpus")]}])))
+    config = _endless_config(job, tmp_path)
     steps = 400
     s = summary(run_cli(["run", str(config), "--steps", str(steps), "--digest", "--json",
                          "--no-progress", "--step-time", "0.04", "--workers", "2"],
@@ -377,9 +383,7 @@ def test_kill_worker_every_keeps_the_digest_and_json_stays_the_last_line(job, tm
     # kills every 1.5 s land.
     # Each run starts its own local cluster (no --address): kills hit this run's workers only.
     # --no-warm-start: the workers run from the first step, so the kills land.
-    config = tmp_path / "endless.yaml"
-    config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None,
-                                          sources=[{"paths": [str(job / "corpus")]}])))
+    config = _endless_config(job, tmp_path)
     base = ["run", str(config), "--steps", "200", "--digest", "--json", "--no-progress",
             "--step-time", "0.03", "--workers", "2", "--no-warm-start"]
     unbroken = summary(run_cli(base, cache_dir=tmp_path))
