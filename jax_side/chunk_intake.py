@@ -12,7 +12,6 @@ ends, so a cursor is that state plus the rows taken past it::
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -21,8 +20,9 @@ import numpy as np
 from ingest.config import Config
 from ingest.plan import UnitPlan
 from ingest.shift import FIELDS
-from ingest.stream import Chunk, open_stream
+from ingest.stream import Chunk
 from jax_side.feed_stats import PoolStats
+from jax_side.local_source import LocalSource
 
 __all__ = ["ChunkIntake", "ChunkSource", "LocalSource", "StreamCursor"]
 
@@ -38,39 +38,6 @@ class ChunkSource(Protocol):
 
     def close(self) -> None:
         """Stops producing."""
-
-
-class LocalSource:
-    """The ``local`` backend: the same streams, run in this process, without Ray."""
-
-    def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
-                 rows: int | None = None):
-        self._config = config
-        self._rows = rows or config.chunk_rows  # rows per chunk
-        self._streams = {s: open_stream(config, plan, s) for s in stream_ids}
-        self.num_workers = 0
-        self.wait_s = 0.0
-
-    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
-        for s, (st, skip) in states.items():
-            if st is not None:
-                self._streams[s].set_state(st)
-            if skip:
-                self._streams[s].produce(skip)
-
-    def next_chunk(self, s: int) -> Chunk:
-        return self.next_rows(s)
-
-    def next_rows(self, s: int, at_most: int | None = None) -> Chunk:
-        """The next chunk of stream ``s``, of at most ``at_most`` rows (None: a whole one)."""
-        t0 = time.perf_counter()
-        n = self._rows if at_most is None else min(self._rows, at_most)
-        c = self._streams[s].produce(n)
-        self.wait_s += time.perf_counter() - t0
-        return c
-
-    def close(self) -> None:
-        self._streams.clear()
 
 
 @dataclasses.dataclass

@@ -55,7 +55,7 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
 
     def open_source(stream_ids: list[int]):
         if backend == "local":
-            from jax_side.chunk_intake import LocalSource  # noqa: PLC0415
+            from jax_side.local_source import LocalSource  # noqa: PLC0415
 
             return LocalSource(config, plan, stream_ids)
         from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)

@@ -28,7 +28,7 @@ from typing import Any
 from ingest.config import Config
 from ingest.plan import UnitPlan
 from ingest.stream import Chunk
-from jax_side.chunk_intake import LocalSource
+from jax_side.local_source import LocalSource
 
 __all__ = ["WarmStartSource"]
 

@@ -155,7 +155,7 @@ class _StopAfter:
 
 def test_interrupted_job_continues_to_the_same_rows(config, materialized, tmp_path):
     from ingest.materialize import materialize
-    from jax_side.chunk_intake import LocalSource
+    from jax_side.local_source import LocalSource
 
     plan = build_plan(config)
     out = str(tmp_path / "out")
