@@ -31,13 +31,8 @@ class LocalSource:
                 self._streams[s].produce(skip)
 
     def next_chunk(self, s: int) -> Chunk:
-        return self.next_rows(s)
-
-    def next_rows(self, s: int, at_most: int | None = None) -> Chunk:
-        """The next chunk of stream ``s``, of at most ``at_most`` rows (None: a whole one)."""
         t0 = time.perf_counter()
-        n = self._rows if at_most is None else min(self._rows, at_most)
-        c = self._streams[s].produce(n)
+        c = self._streams[s].produce(self._rows)
         self.wait_s += time.perf_counter() - t0
         return c
 
