@@ -8,10 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import jax
 
 from jax_side.private_api import cluster_types
+
+# How long process 0 stays after its error before it leaves (see ``leave``).
+LEADER_GRACE_S = 2.0
 
 __all__ = ["ClusterJoinError", "detected_cluster", "initialize", "leave"]
 
@@ -95,17 +99,21 @@ def initialize(coordinator: str | None, num_hosts: int | None, host_id: int | No
 
 
 def leave(code: int) -> None:
-    """Exits this process at once, after flushing its output.
+    """Exits this process after flushing its output (process 0 after a short grace).
 
     A process of a failed multi-process run must not linger: at a normal exit,
     ``jax.distributed`` waits at a shutdown barrier (up to 5 minutes) for every process, while
     those wait for this one in their next collective. Leaving closes its sockets, so the peers'
-    collectives fail within milliseconds and they report it.
+    collectives fail within milliseconds and they report it. Process 0 holds the coordination
+    service, whose end aborts every peer: it waits ``LEADER_GRACE_S`` first, so that peers
+    meeting the same error at start (a config, a mesh) name it themselves.
     """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if jax.distributed.is_initialized() and jax.process_count() > 1 and jax.process_index() == 0:
+        time.sleep(LEADER_GRACE_S)
     logging.shutdown()
     os._exit(code)
