@@ -14,11 +14,12 @@ streams may sit on different workers; each worker's part is then asked for on it
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from ingest.config import Config
 
-__all__ = ["group_streams", "place_groups", "pool_size"]
+__all__ = ["group_streams", "place_groups", "pool_size", "uneven_share"]
 
 
 def pool_size(config: Config, num_workers: int, streams: int) -> int:
@@ -41,3 +42,29 @@ def group_streams(stream_ids: list[int], per_call: int) -> dict[int, tuple[int, 
 def place_groups(stream_ids: list[int], per_call: int, workers: list[Any]) -> dict[int, Any]:
     """Each stream's worker: the groups of ``group_streams`` dealt to ``workers`` in turn."""
     return {s: workers[(i // per_call) % len(workers)] for i, s in enumerate(stream_ids)}
+
+
+def uneven_share(placement: dict[int, Any], workers: int) -> tuple[float, str] | None:
+    """Where ``workers`` workers holding the streams of ``placement`` (stream -> worker) hold
+    unequal shares: what they make, in evenly loaded workers, and a line saying why and what to
+    change; None where every worker holds as many streams.
+
+    Every batch takes rows of every stream, so a pool goes at the pace of its busiest worker:
+    16 streams on 15 workers (one holds two) make what 8 workers make.
+    """
+    counts = collections.Counter(id(w) for w in placement.values())
+    streams = len(placement)
+    busiest = max(counts.values(), default=0)
+    lightest = min(counts.values()) if len(counts) >= workers else 0
+    if busiest == lightest:
+        return None
+    even = [d for d in range(1, streams + 1) if streams % d == 0]
+    fewer = max(d for d in even if d <= workers)
+    more = min((d for d in even if d > workers), default=None)
+    choice = f"{fewer} or {more} workers" if more else f"{fewer} workers"
+    pace = streams / busiest
+    return pace, (f"{streams} streams on {workers} workers: the busiest worker holds "
+                  f"{busiest} streams and the lightest {lightest}; every batch takes rows of "
+                  f"every stream, so the pool makes what {pace:.1f} evenly loaded workers "
+                  f"make. For an even share use {choice} (num_streams divides by them), or a "
+                  f"num_streams that {workers} divides (that changes the batches)")

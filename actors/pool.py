@@ -35,7 +35,7 @@ from actors.faults import WorkerFaults
 from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
 from actors.orphans import OrphanedStreams
-from actors.placement import group_streams, place_groups, pool_size
+from actors.placement import group_streams, place_groups, pool_size, uneven_share
 from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
 from actors.resize import PoolResizing
@@ -158,6 +158,12 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
                      config.streams_per_call, config.num_streams, config.workers)
         self._group = group_streams(self._stream_ids, g)
         self._placement = place_groups(self._stream_ids, g, self._workers)
+        uneven = uneven_share(self._placement, len(self._workers))
+        if uneven:
+            pace, why = uneven
+            # A tenth of the workers' rate or more lost is worth a warning.
+            log.log(logging.WARNING if pace < 0.9 * len(self._workers) else logging.INFO,
+                    "%s", why)
 
     @property
     def num_workers(self) -> int:
