@@ -54,6 +54,15 @@ def process_start_time() -> float:
     return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def _minor_faults(pid: int) -> int:
+    """The process's minor page faults so far (/proc/PID/stat), or -1 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def _machine_busy_cpu_s() -> float:
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
@@ -127,6 +136,9 @@ class TreeSampler:
         self._total_peak = 0
         self._samples = 0
         self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (group, CPU seconds so far)
+        # pid -> (user s, system s, minor page faults, voluntary and involuntary context
+        # switches) so far, for the workers' group
+        self._worker_detail: dict[int, tuple[float, float, int, int, int]] = {}
         self._machine_cpu0 = _machine_busy_cpu_s()
         self._steal0 = _machine_steal_s()
         self._t0 = time.perf_counter()
@@ -166,7 +178,16 @@ class TreeSampler:
                                "machine_cpu_s": machine,
                                # The sampler's own few ms per sample are in here too.
                                "other_programs_cpu_s": max(0.0, machine - tree),
-                               "machine_steal_s": _machine_steal_s() - self._steal0}
+                               "machine_steal_s": _machine_steal_s() - self._steal0,
+                               "workers_cpu_s": sorted(
+                                   (round(sec, 3) for g, sec in self._cpu.values()
+                                    if g == "workers"), reverse=True),
+                               "workers_detail": sorted(
+                                   ({"user_s": round(u, 3), "system_s": round(sy, 3),
+                                     "minor_faults": f, "voluntary_switches": v,
+                                     "involuntary_switches": i}
+                                    for u, sy, f, v, i in self._worker_detail.values()),
+                                   key=lambda d: -(d["user_s"] + d["system_s"]))}
         for g, p in self._peaks.items():
             out[g] = {"peak_bytes": p.sum_bytes, "max_process_bytes": p.max_process_bytes,
                       "max_process_own_bytes": p.max_process_own_bytes,
@@ -210,6 +231,13 @@ class TreeSampler:
                 continue  # it ended between listing and reading
             # A process is counted in the group it last had (Ray's idle workers become actors).
             self._cpu[proc.pid] = (group, t.user + t.system)
+            if group == "workers":
+                try:
+                    ctx = proc.num_ctx_switches()
+                    self._worker_detail[proc.pid] = (t.user, t.system, _minor_faults(proc.pid),
+                                                     ctx.voluntary, ctx.involuntary)
+                except psutil.Error:
+                    pass
             sums[group] += rss
             counts[group] += 1
             biggest[group] = max(biggest[group], rss)

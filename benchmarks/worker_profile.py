@@ -1,8 +1,10 @@
 """Where a Ray worker's time goes during a real ``ingest run``: py-spy on every worker.
 
-    python -m benchmarks.worker_profile [CONFIG] [--rate HZ]
+    python -m benchmarks.worker_profile [CONFIG] [--rate HZ] [--workers W] [--epochs E]
+        [--steps S]
 
-Runs ``ingest run`` on the config (default: the demo) as ``ingest bench`` does, attaches
+Runs ``ingest run`` on the config (default: the demo) as ``ingest bench`` does (one epoch, one
+worker per CPU, unless the options say otherwise), attaches
 ``py-spy record --idle`` to each ``StreamWorker`` process as soon as it appears, and splits
 each worker's main thread, from its first ``produce`` call to the end of its last, into: time
 inside ``produce`` (tokenizer, Parquet read, shift, pack, the rest) and time outside it (Ray's
@@ -14,6 +16,7 @@ reports. Needs ptrace rights (root, or ``kernel.yama.ptrace_scope=0``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -99,21 +102,27 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    p.add_argument("--workers", type=int, help="Ray workers (default: one per CPU)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the corpus (default 1)")
+    p.add_argument("--steps", type=int, help="stop after this many steps")
     args = p.parse_args(argv)
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
     if spy is None:
         raise SystemExit("py-spy not found next to this Python or on PATH: pip install py-spy")
     spec = make_spec(args.config, quick=False, steps=None)
+    spec = dataclasses.replace(spec, config={**spec.config, "num_epochs": args.epochs})
+    n_workers = args.workers or spec.cpus
+    extra = ["--workers", str(n_workers)] + (["--steps", str(args.steps)] if args.steps else [])
     with tempfile.TemporaryDirectory(prefix="ingest-spy-") as tmp:
         run = subprocess.Popen(
             [sys.executable, "-m", "jax_side.run", "run",
              spec.write_run_config(os.path.join(tmp, "run.yaml")), "--json", "--no-progress",
-             "--no-warm-start"],
+             "--no-warm-start", *extra],
             cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         spies: dict[int, subprocess.Popen] = {}
         deadline = time.monotonic() + 120
-        while run.poll() is None and len(spies) < spec.cpus and time.monotonic() < deadline:
+        while run.poll() is None and len(spies) < n_workers and time.monotonic() < deadline:
             for w in _workers(run.pid):
                 if w not in spies:
                     spies[w] = subprocess.Popen(
