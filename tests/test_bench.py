@@ -199,3 +199,46 @@ def test_scaling_plot_is_a_png_and_says_why_when_nothing_ran(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot({"cpus": 2, "runs": runs[1:]}, str(tmp_path / "x.png")) == \
         "no run of the sweep succeeded"
+
+
+def test_worker_sweep_leaves_one_cpu_to_the_host():
+    from benchmarks.worker_sweep import default_points
+
+    assert default_points(1) == [1]
+    assert default_points(2) == [1]
+    assert default_points(4) == [1, 2, 3]
+    assert default_points(16) == [1, 2, 4, 8, 15]
+
+
+@pytest.mark.slow
+def test_worker_sweep_sizes_each_point_by_its_workers_and_records_each_worker(tmp_path):
+    from tests.helpers import write_parquet_corpus
+
+    write_parquet_corpus(tmp_path / "corpus", n_files=2, docs_per_file=120, row_group_size=40,
+                         seed=5)
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({
+        "sources": [{"paths": [str(tmp_path / "corpus")]}], "seq_len": 64,
+        "global_batch_size": 8, "num_streams": 4, "unit_rows": 20}))
+    out = tmp_path / "sweep.json"
+    limit = 20_000  # tokens/s: small, so that each point is a few hundred steps
+    cmd = [sys.executable, "-m", "benchmarks.worker_sweep", str(config), "--workers", "1", "2",
+           "--seconds", "1", "--limit", str(limit), "--corpus-tokens", "5000",
+           "--cores-limits", "produce", "--set", "prefetch=3", "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s; stderr so far:\n{e.stderr}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    r = json.loads(out.read_text())
+    assert r["setting"]["overrides"] == {"prefetch": 3}
+    one, two = r["runs"]
+    # W cores of the limit for the given seconds, in steps of 8 x 64 tokens (at least 50).
+    assert one["steps"] == max(50, -(-1 * 1 * limit // (8 * 64)))
+    assert two["steps"] == max(50, -(-1 * 2 * limit // (8 * 64)))
+    for run, w in ((one, 1), (two, 2)):
+        assert run["tokens"] == run["steps"] * 8 * 64
+        _positive(run, "tokens_per_s", "produce_on_w_cores_tokens_per_s", "of_w_x_limit")
+        assert len(run["workers_detail"]) == w
+        assert all(d["user_s"] > 0 and d["minor_faults"] > 0 for d in run["workers_detail"])
+    assert "produce on W cores" in proc.stderr
