@@ -41,6 +41,15 @@ def plot(scaling: dict[str, Any], path: str, *, title: str = "") -> str | None:
               if r.get("steady_tokens_per_s")]
     if steady:
         ax.plot(*zip(*steady, strict=True), "s--", label="ours, steady")
+    # The ceilings measured on W cores at once, one pinned process per core, no Ray
+    # (``benchmarks.worker_sweep``): what the machine's cores give together.
+    for key, label, style in (("tokenizer_on_w_cores_tokens_per_s",
+                               "tokenizer alone, one process per core", "^-."),
+                              ("produce_on_w_cores_tokens_per_s",
+                               "our produce alone, one process per core", "v-.")):
+        alone = [(r["workers"], r[key] / 1e6) for r in runs if r.get(key)]
+        if alone:
+            ax.plot(*zip(*alone, strict=True), style, alpha=0.7, label=label)
     limit = scaling.get("single_core_limit_tokens_per_s")
     cpus = scaling["cpus"]
     if limit:
