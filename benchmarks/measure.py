@@ -63,6 +63,16 @@ def _minor_faults(pid: int) -> int:
         return -1
 
 
+def _main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds of the process's main thread alone (/proc/PID/task/PID/stat), or -1."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
 def _machine_busy_cpu_s() -> float:
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
@@ -136,9 +146,10 @@ class TreeSampler:
         self._total_peak = 0
         self._samples = 0
         self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (group, CPU seconds so far)
-        # pid -> (user s, system s, minor page faults, voluntary and involuntary context
-        # switches) so far, for the workers' group
-        self._worker_detail: dict[int, tuple[float, float, int, int, int]] = {}
+        # pid -> (user s, system s, main thread's s, minor page faults, voluntary and
+        # involuntary context switches so far, the CPU it is bound to or None), for the
+        # workers' group
+        self._worker_detail: dict[int, tuple] = {}
         self._machine_cpu0 = _machine_busy_cpu_s()
         self._steal0 = _machine_steal_s()
         self._t0 = time.perf_counter()
@@ -184,9 +195,10 @@ class TreeSampler:
                                     if g == "workers"), reverse=True),
                                "workers_detail": sorted(
                                    ({"user_s": round(u, 3), "system_s": round(sy, 3),
-                                     "minor_faults": f, "voluntary_switches": v,
-                                     "involuntary_switches": i}
-                                    for u, sy, f, v, i in self._worker_detail.values()),
+                                     "main_thread_s": round(mt, 3), "minor_faults": f,
+                                     "voluntary_switches": v, "involuntary_switches": i,
+                                     "bound_to_cpu": c}
+                                    for u, sy, mt, f, v, i, c in self._worker_detail.values()),
                                    key=lambda d: -(d["user_s"] + d["system_s"]))}
         for g, p in self._peaks.items():
             out[g] = {"peak_bytes": p.sum_bytes, "max_process_bytes": p.max_process_bytes,
@@ -234,8 +246,11 @@ class TreeSampler:
             if group == "workers":
                 try:
                     ctx = proc.num_ctx_switches()
-                    self._worker_detail[proc.pid] = (t.user, t.system, _minor_faults(proc.pid),
-                                                     ctx.voluntary, ctx.involuntary)
+                    cpus = proc.cpu_affinity()
+                    self._worker_detail[proc.pid] = (
+                        t.user, t.system, _main_thread_cpu_s(proc.pid),
+                        _minor_faults(proc.pid), ctx.voluntary, ctx.involuntary,
+                        cpus[0] if len(cpus) == 1 else None)
                 except psutil.Error:
                     pass
             sums[group] += rss

@@ -240,5 +240,11 @@ def test_worker_sweep_sizes_each_point_by_its_workers_and_records_each_worker(tm
         assert run["tokens"] == run["steps"] * 8 * 64
         _positive(run, "tokens_per_s", "produce_on_w_cores_tokens_per_s", "of_w_x_limit")
         assert len(run["workers_detail"]) == w
-        assert all(d["user_s"] > 0 and d["minor_faults"] > 0 for d in run["workers_detail"])
+        for d in run["workers_detail"]:
+            assert d["user_s"] > 0 and d["minor_faults"] > 0
+            assert 0 < d["main_thread_s"] <= d["user_s"] + d["system_s"] + 0.02
+        # pin_workers (the default): no two workers on one CPU (a worker that found every CPU
+        # claimed, by another feed's workers, floats)
+        bound = [d["bound_to_cpu"] for d in run["workers_detail"] if d["bound_to_cpu"] is not None]
+        assert len(set(bound)) == len(bound)
     assert "produce on W cores" in proc.stderr
