@@ -19,7 +19,7 @@ from typing import Any
 
 from ingest.config import Config
 
-__all__ = ["group_streams", "place_groups", "pool_size", "uneven_share"]
+__all__ = ["group_streams", "idle_workers", "place_groups", "pool_size", "uneven_share"]
 
 
 def pool_size(config: Config, num_workers: int, streams: int) -> int:
@@ -31,6 +31,18 @@ def pool_size(config: Config, num_workers: int, streams: int) -> int:
         n = max(config.min_workers, min(config.max_workers or n, n))
         n = min(n, streams)
     return n
+
+
+def idle_workers(num_workers: int, streams: int, num_streams: int) -> str | None:
+    """Why fewer than ``num_workers`` workers start for a host's ``streams`` streams (of
+    ``num_streams`` in all), or None where all of them start."""
+    if num_workers <= streams:
+        return None
+    which = "streams" if streams == num_streams else f"streams (this host's, of {num_streams})"
+    return (f"workers={num_workers} on {streams} {which}: {streams} workers start, one per "
+            f"stream, as a stream is made by one worker at a time. For all {num_workers} to "
+            f"work, use a num_streams that is a multiple of {num_workers} (that changes the "
+            f"batches)")
 
 
 def group_streams(stream_ids: list[int], per_call: int) -> dict[int, tuple[int, ...]]:

@@ -35,7 +35,13 @@ from actors.faults import WorkerFaults
 from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
 from actors.orphans import OrphanedStreams
-from actors.placement import group_streams, place_groups, pool_size, uneven_share
+from actors.placement import (
+    group_streams,
+    idle_workers,
+    place_groups,
+    pool_size,
+    uneven_share,
+)
 from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
 from actors.resize import PoolResizing
@@ -93,6 +99,10 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
         self.worker_faults = WorkerFaults()  # given to every worker started (actors.faults)
         self.poisoned = 0  # documents located as killing workers and skipped
         n = pool_size(config, num_workers, len(self._stream_ids))
+        idle = None if config.autoscale else idle_workers(num_workers, len(self._stream_ids),
+                                                          config.num_streams)
+        if idle:
+            log.warning("%s", idle)
         self._start_workers(n)
         self._place(n)
         # The result of the last grouped call fetched, which the group's other streams take

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from actors.placement import group_streams, place_groups, uneven_share
+from actors.placement import group_streams, idle_workers, place_groups, uneven_share
 from ingest.config import streams_per_call_for
 
 
@@ -60,3 +60,12 @@ def test_a_worker_without_streams_counts_as_the_lightest():
     placement = {0: "w0", 1: "w0", 2: "w1", 3: "w1"}
     pace, why = uneven_share(placement, 3)
     assert pace == 2.0 and "the lightest 0" in why
+
+
+def test_more_workers_than_streams_say_how_many_start_and_what_lets_all_work():
+    assert idle_workers(8, 8, 8) is None and idle_workers(4, 8, 8) is None
+    why = idle_workers(16, 8, 8)
+    assert "workers=16 on 8 streams: 8 workers start" in why
+    assert "a multiple of 16" in why
+    # A host that owns part of the streams says so.
+    assert "8 streams (this host's, of 32)" in idle_workers(12, 8, 32)
