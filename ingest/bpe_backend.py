@@ -10,18 +10,27 @@ backend         library call                                          vocabulari
 ==============  ====================================================  ===================
 ``rs_bpe``      ``rs_bpe.bpe.openai.cl100k_base().encode``            cl100k
 ``bpe_openai``  ``bpe_openai.get_encoding("cl100k_base")``            cl100k
+``riptoken``    ``riptoken.CoreBPE(ranks, specials, pattern)``        gpt2
 ==============  ====================================================  ===================
 
-Neither library can run GPT-2's vocabulary offline (their Rust cores hold named encodings
-only), so ``gpt2`` and ``.tiktoken`` files always run on tiktoken. ``auto`` picks the first
-backend of ``FASTEST_FIRST`` that is installed and passes the load-time self-check, else
-tiktoken. The self-check encodes ``probe_texts()`` with both libraries; if any id differs,
-the tokenizer falls back to tiktoken with a warning. A document a backend cannot take (a
-string with lone surrogates, one past a library's size limit) is encoded by tiktoken.
+rs_bpe and bpe_openai hold named encodings in their Rust cores and cannot run GPT-2's
+vocabulary offline. riptoken is built from the tiktoken encoding's own ranks, special tokens
+and pattern. It merges a regex piece of ``LONG_PIECE_BYTES`` bytes or more by another
+algorithm, whose ids can differ from tiktoken's (``"1" * 501`` in GPT-2), so a text that may
+hold such a piece goes to tiktoken (``long_piece_possible``); riptoken also encodes with an
+allowed special token, so a call's documents go to it as one text joined by the
+end-of-document token, as they go to tiktoken (``TiktokenTokenizer.encode_joined``).
+
+``auto`` picks the first backend of ``FASTEST_FIRST`` proven on the vocabulary that is
+installed and passes the load-time self-check, else tiktoken. The self-check encodes
+``probe_texts()`` with both libraries, one text at a time and joined; if any id differs, the
+tokenizer falls back to tiktoken with a warning. A document a backend cannot take (a string
+with lone surrogates, one past a library's size limit) is encoded by tiktoken.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -38,14 +47,48 @@ log = logging.getLogger("ingest.tokenize")
 # of 3): on 1,000 stdlib files (3,800 tokens each) tiktoken 3.8 M tokens/s, rs_bpe 6.9 M
 # (1.8x), bpe_openai 6.3 - 6.5 M (1.65x); on 17,000 paragraphs of them (80 tokens each)
 # tiktoken 3.8 M, rs_bpe 6.3 M (1.65x), bpe_openai 5.6 M (1.45x).
-FASTEST_FIRST = ("rs_bpe", "bpe_openai")
+# GPT-2 on the demo corpus (one core, same machine): tiktoken 3.1 M tokens/s, riptoken 4.2 M
+# (1.3x) through encode_docs, the long-piece check included.
+FASTEST_FIRST = ("rs_bpe", "bpe_openai", "riptoken")
 # Vocabularies (tokenizer specs) each backend is proven on, and its name there.
 PROVEN = {"rs_bpe": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
-          "bpe_openai": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"}}
+          "bpe_openai": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
+          "riptoken": {"gpt2": "gpt2"}}
+
+# riptoken merges pieces of this many bytes or more another way (its heap path).
+LONG_PIECE_BYTES = 500
+# A GPT-2 piece is one space at most and a run of letters, of numbers or of other characters
+# that are not whitespace, or a run of whitespace. So a piece of LONG_PIECE_BYTES in UTF-8
+# holds a run of LONG_PIECE_BYTES - 1 bytes with no ASCII whitespace byte, or one with no
+# ASCII byte that is not whitespace: bytes of other characters may belong to either run.
+_RUN_BYTES = LONG_PIECE_BYTES - 1
+_ASCII_WS = b"\t\n\x0b\x0c\r "  # the regex's \s below 128 (str.isspace adds \x1c-\x1f)
+# Byte -> 1 where it may be part of whitespace, 0 where it may be part of a run of
+# non-whitespace; other characters' bytes get the mark that makes the run go on.
+_WS_MARK = bytes(int(b in _ASCII_WS) for b in range(128)) + b"\0" * 128
+_TEXT_MARK = bytes(int(b in _ASCII_WS) for b in range(128)) + b"\1" * 128
+_NOT_WS_RUN, _WS_RUN = b"\0" * _RUN_BYTES, b"\1" * _RUN_BYTES
 
 
-def load_encoder(backend: str, encoding: str) -> Callable[[str], Sequence[int]]:
-    """The backend's encode-ordinary-text call for ``encoding``."""
+def long_piece_possible(text: str) -> bool:
+    """Whether a GPT-2 piece of ``text`` may reach ``LONG_PIECE_BYTES`` in UTF-8: False means
+    it cannot (every run of non-whitespace and of whitespace is shorter)."""
+    if 4 * len(text) < _RUN_BYTES:
+        return False
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) < _RUN_BYTES:
+        return False
+    if data.isascii():  # one map: each byte is whitespace or not
+        marks = data.translate(_WS_MARK)
+        return _NOT_WS_RUN in marks or _WS_RUN in marks
+    return _NOT_WS_RUN in data.translate(_WS_MARK) or _WS_RUN in data.translate(_TEXT_MARK)
+
+
+def load_encoder(backend: str, encoding: str, reference=None) -> Callable[[str], Sequence[int]]:
+    """The backend's encode-ordinary-text call for ``encoding`` (riptoken: for the tiktoken
+    tokenizer ``reference``, whose ranks it is built from)."""
+    if backend == "riptoken":
+        return _GuardedRiptoken(reference._enc).encode_ordinary
     if backend == "rs_bpe":
         from rs_bpe.bpe import openai  # noqa: PLC0415 (optional, loaded on demand)
 
@@ -58,6 +101,59 @@ def load_encoder(backend: str, encoding: str) -> Callable[[str], Sequence[int]]:
                      f"of {list(FASTEST_FIRST)}")
 
 
+def load_joined_encoder(backend: str, reference) -> Callable[[str, frozenset], object] | None:
+    """The backend's call that encodes a text with the given special tokens allowed, giving
+    a buffer of int32 ids (what ``TiktokenTokenizer.encode_joined`` takes); None where the
+    backend has none."""
+    return _GuardedRiptoken(reference._enc).encode if backend == "riptoken" else None
+
+
+@functools.lru_cache(maxsize=8)
+def _riptoken_core(encoding):
+    """riptoken's encoder of a tiktoken ``Encoding``: its ranks, special tokens and pattern."""
+    import riptoken  # noqa: PLC0415 (optional, loaded on demand)
+
+    return riptoken.CoreBPE(encoding._mergeable_ranks, encoding._special_tokens,
+                            encoding._pat_str)
+
+
+class _GuardedRiptoken:
+    """riptoken where no piece can reach ``LONG_PIECE_BYTES``, tiktoken's own core elsewhere."""
+
+    def __init__(self, encoding):
+        self._fast = _riptoken_core(encoding)
+        self._tiktoken = encoding._core_bpe
+
+    def encode_ordinary(self, text: str) -> Sequence[int]:
+        if long_piece_possible(text):
+            return self._tiktoken.encode_ordinary(text)
+        return self._fast.encode_ordinary(text)
+
+    def encode(self, text: str, allowed: frozenset) -> np.ndarray:
+        """``text`` with ``allowed`` special tokens, as int32 ids. The text is cut where the
+        allowed token stands (no piece crosses one); runs of parts that may hold a long piece
+        go to tiktoken, the others to riptoken."""
+        if not long_piece_possible(text):
+            return self._riptoken(text, allowed)
+        if len(allowed) != 1:
+            return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, allowed),
+                                 dtype=np.int32)
+        (sep,) = allowed  # the end-of-document token that joins a call's documents
+        parts = text.split(sep)
+        out, done = [], 0
+        for long, run in itertools.groupby(parts, key=long_piece_possible):
+            run = list(run)
+            done += len(run)
+            segment = sep.join(run) + (sep if done < len(parts) else "")
+            out.append(np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(segment, allowed),
+                                     dtype=np.int32) if long else
+                       self._riptoken(segment, allowed))
+        return np.concatenate(out)
+
+    def _riptoken(self, text: str, allowed: frozenset) -> np.ndarray:
+        return np.array(self._fast.encode(text, allowed), dtype=np.int32)
+
+
 class FastBPETokenizer:
     """A tiktoken tokenizer whose encoding runs on a faster backend with identical ids.
 
@@ -65,10 +161,12 @@ class FastBPETokenizer:
     tokenizer's; ``fallbacks`` counts documents encoded by tiktoken instead.
     """
 
-    def __init__(self, reference, backend: str, encode: Callable[[str], Sequence[int]]):
+    def __init__(self, reference, backend: str, encode: Callable[[str], Sequence[int]],
+                 encode_joined: Callable[[str, frozenset], object] | None = None):
         self.reference = reference
         self.backend = backend
         self._encode = encode
+        self._encode_joined = encode_joined
         self.fallbacks = 0
 
     def __getattr__(self, name: str):
@@ -87,6 +185,13 @@ class FastBPETokenizer:
         return [np.asarray(self._ids(t), dtype=np.int32) for t in texts]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._encode_joined is not None and texts:
+            try:
+                joined = self.reference.encode_joined(self._encode_joined, texts)
+            except Exception:  # noqa: BLE001 (a text it cannot take: one call per document)
+                joined = None
+            if joined is not None:
+                return joined
         ids = [self._ids(t) for t in texts]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         # One pass in C over every document's ids, each followed by the EOS id.
@@ -109,6 +214,18 @@ def self_check(reference, encode: Callable[[str], Sequence[int]],
             return f"{t[:40]!r}: {type(e).__name__}: {e}"
         if not np.array_equal(np.asarray(got, dtype=np.int64), want):
             return f"{t[:40]!r}"
+    return None
+
+
+def self_check_docs(reference, fast: FastBPETokenizer,
+                    texts: list[str] | None = None) -> str | None:
+    """None if ``fast.encode_docs`` gives the reference's tokens and document ends on
+    ``texts`` (default: ``probe_texts()``) in one call, as a stream makes it; else what
+    differs."""
+    texts = probe_texts() if texts is None else texts
+    want, got = reference.encode_docs(texts), fast.encode_docs(texts)
+    if not (np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])):
+        return f"the probe texts encoded in one call ({len(texts)} documents)"
     return None
 
 
@@ -140,19 +257,21 @@ def accelerate(reference, spec: str, backend: str):
                   if spec in PROVEN[b]]
     for name in candidates:
         try:
-            encode = load_encoder(name, PROVEN[name][spec])
+            fast = FastBPETokenizer(reference, name, load_encoder(name, PROVEN[name][spec],
+                                                                  reference),
+                                    load_joined_encoder(name, reference))
         except ImportError as e:
             if backend != "auto":
                 raise ValueError(f"tokenizer_backend={backend!r} needs its library: pip "
                                  f"install {name.replace('_', '-')} ({e})") from e
             continue
-        bad = self_check(reference, encode)
+        bad = self_check(reference, fast._encode) or self_check_docs(reference, fast)
         if bad is not None:
             log.warning("tokenizer %s: backend %s gave ids that differ from tiktoken's on %s; "
                         "using tiktoken", spec, name, bad)
             continue
         log.info("tokenizer %s runs on %s (ids checked against tiktoken)", spec, name)
-        return FastBPETokenizer(reference, name, encode)
+        return fast
     return reference
 
 

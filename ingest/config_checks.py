@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ingest.bpe_backend import FASTEST_FIRST, PROVEN
 from ingest.source_config import SourceConfig
 
 __all__ = ["check_fields", "check_rampup", "did_you_mean", "nearest_divisors",
@@ -22,7 +23,7 @@ DEALS = ("units", "row_groups")
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 BAD_INPUT_POLICIES = ("error", "skip")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
-TOKENIZER_BACKENDS = ("auto", "tiktoken", "rs_bpe", "bpe_openai")
+TOKENIZER_BACKENDS = ("auto", "tiktoken", *FASTEST_FIRST)
 # Runtime knobs left null resolve by a rule (ingest.config); a value given must be positive.
 AUTO_FIELDS = ("chunk_rows", "streams_per_call", "prefetch")
 
@@ -91,11 +92,13 @@ def _backend_problems(cfg: Any) -> list[str]:
     if cfg.tokenizer_backend not in TOKENIZER_BACKENDS:
         return [f"tokenizer_backend={cfg.tokenizer_backend!r} must be one of "
                 f"{list(TOKENIZER_BACKENDS)}"]
-    if (cfg.tokenizer_backend not in ("auto", "tiktoken")
-            and cfg.tokenizer not in ("cl100k", "cl100k_base")):
-        return [f"tokenizer_backend={cfg.tokenizer_backend!r} runs the cl100k "
-                f"vocabulary only (tokenizer={cfg.tokenizer!r}); use "
-                f"tokenizer_backend: auto (the fastest exact one) or tiktoken"]
+    proven = PROVEN.get(cfg.tokenizer_backend)
+    if proven is not None and cfg.tokenizer not in proven:
+        names = sorted({n for n in proven if not n.endswith("_base")})
+        which = " and ".join(names) + (" vocabulary" if len(names) == 1 else " vocabularies")
+        return [f"tokenizer_backend={cfg.tokenizer_backend!r} runs the {which} only "
+                f"(tokenizer={cfg.tokenizer!r}); use tokenizer_backend: auto (the fastest "
+                f"exact one) or tiktoken"]
     return []
 
 

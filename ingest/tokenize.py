@@ -142,8 +142,8 @@ class TiktokenTokenizer:
                          None)
         if encode is None:  # another tiktoken: the public call
             return docs_of(self.encode_batch(texts), self.eos_id)
-        if self._sep is not None and texts:
-            joined = self._encode_joined(encode, texts)
+        if texts:
+            joined = self.encode_joined(encode, texts)
             if joined is not None:
                 return joined
         # The call encode_to_numpy makes, without its Python around each document (argument
@@ -156,7 +156,7 @@ class TiktokenTokenizer:
         return (np.frombuffer(self._eos_bytes.join(bufs), dtype=np.int32),
                 np.cumsum(lengths + 1) - 1)
 
-    def _encode_joined(self, encode, texts: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    def encode_joined(self, encode, texts: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
         """One tokenizer call for many documents: their text, each followed by the
         end-of-document token, allowed as special. tiktoken splits its input at allowed
         special tokens first and encodes the text between two on its own (regex pieces and
@@ -164,7 +164,12 @@ class TiktokenTokenizer:
         end-of-document id: the ids of a call per document, without the cost of a call (a
         tenth of tiktoken's time on documents of 150 bytes), and the stream's layout as it
         comes. None where a text holds the token's string itself (there it is text; a call
-        per document keeps it so)."""
+        per document keeps it so), or where the vocabulary has no such token.
+
+        ``encode(text, allowed_special)`` gives the ids as a buffer of int32: tiktoken's
+        ``encode_to_tiktoken_buffer``, or a faster backend's call (``ingest.bpe_backend``)."""
+        if self._sep is None:
+            return None
         # Groups of about _JOIN_CHARS characters, cut at documents: not all text twice.
         cum = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
         cuts = np.searchsorted(cum, np.arange(_JOIN_CHARS, int(cum[-1]), _JOIN_CHARS))

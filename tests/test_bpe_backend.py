@@ -20,11 +20,13 @@ from helpers import make_texts
 from ingest import BatchDigest, Config, SourceConfig
 from ingest.bpe_backend import (
     FASTEST_FIRST,
+    LONG_PIECE_BYTES,
     PROVEN,
     FastBPETokenizer,
     accelerate,
     adversarial_texts,
     load_encoder,
+    long_piece_possible,
     self_check,
 )
 from ingest.errors import ConfigError
@@ -81,13 +83,15 @@ def test_backend_ids_equal_tiktoken_wherever_it_is_used(vocab, backend, corpus_t
     reference = load_tokenizer(vocab, "tiktoken")
     assert isinstance(reference, TiktokenTokenizer)
     if vocab not in PROVEN[backend]:
-        # Not proven, never used: the vocabulary runs on tiktoken, and the library indeed has
-        # no offline encoding of it.
-        assert isinstance(load_tokenizer(vocab, "auto"), TiktokenTokenizer)
-        with pytest.raises(Exception):  # noqa: B017,PT011 (the library's own error)
-            load_encoder(backend, vocab)
+        # Not proven, never used: auto runs another backend, and naming it is refused.
+        assert getattr(load_tokenizer(vocab, "auto"), "backend", "tiktoken") != backend
+        with pytest.raises(ValueError, match="is proven on tokenizer"):
+            load_tokenizer(vocab, backend)
+        if backend != "riptoken":  # the library indeed has no offline encoding of it
+            with pytest.raises(Exception):  # noqa: B017,PT011 (the library's own error)
+                load_encoder(backend, vocab)
         return
-    encode = load_encoder(backend, PROVEN[backend][vocab])
+    encode = load_encoder(backend, PROVEN[backend][vocab], reference)
     bad, refused = [], 0
     for t, want in zip(corpus_texts, tiktoken_ids(vocab), strict=True):
         try:
@@ -117,8 +121,52 @@ def test_backend_ids_equal_tiktoken_wherever_it_is_used(vocab, backend, corpus_t
 
 def test_auto_is_the_fastest_proven_backend_and_tiktoken_is_tiktoken():
     assert load_tokenizer("cl100k").backend == FASTEST_FIRST[0]
-    assert isinstance(load_tokenizer("cl100k", "tiktoken"), TiktokenTokenizer)
-    assert isinstance(load_tokenizer("gpt2"), TiktokenTokenizer)
+    assert load_tokenizer("gpt2").backend == "riptoken"
+    for vocab in BUNDLED:
+        assert isinstance(load_tokenizer(vocab, "tiktoken"), TiktokenTokenizer)
+
+
+def _runs_near_the_long_piece_size() -> list[str]:
+    """Runs of one character (1 to 4 bytes, each class of GPT-2's pieces) just below, at and
+    just above ``LONG_PIECE_BYTES``, alone and between other text."""
+    texts = []
+    for ch in ("1", "a", "#", "é", "日", "🙂", " ", "\n", "\t", "\u3000", "\u00a0"):
+        width = len(ch.encode())
+        for size in range(LONG_PIECE_BYTES - 6, LONG_PIECE_BYTES + 6):
+            run = ch * (size // width)
+            texts += [run, f"x {run} y", f" {run}", f"{run}!", f"ab{run}\n{run[:40]}"]
+    return texts
+
+
+def test_a_text_that_may_hold_a_long_piece_is_told_apart():
+    # Below the size no piece can reach it; at it, a run of one kind of character can.
+    assert not long_piece_possible("1" * (LONG_PIECE_BYTES - 2))
+    assert long_piece_possible("1" * (LONG_PIECE_BYTES - 1))  # with a space before: 500
+    assert not long_piece_possible(" " * (LONG_PIECE_BYTES - 2))
+    assert long_piece_possible("\u3000" * -(-LONG_PIECE_BYTES // 3))
+    assert not long_piece_possible("🙂" * ((LONG_PIECE_BYTES - 2) // 4))
+    assert long_piece_possible("🙂" * -(-(LONG_PIECE_BYTES - 1) // 4))
+    assert not long_piece_possible("word " * 1000)  # long text, short pieces
+    # str.isspace's separators (U+001C-1F) are not the regex's whitespace: no run ends there.
+    assert long_piece_possible("x\x1c" * LONG_PIECE_BYTES)
+    # Other characters' bytes continue either kind of run (a no-break space is whitespace).
+    assert long_piece_possible("\u00a0" * LONG_PIECE_BYTES)
+
+
+@pytest.mark.parametrize("vocab", [v for v in BUNDLED if v in PROVEN["riptoken"]])
+def test_riptoken_gives_tiktoken_ids_around_the_long_piece_size(vocab):
+    """riptoken merges pieces of LONG_PIECE_BYTES or more another way: texts that may hold
+    one go to tiktoken, alone and inside a joined call, and the ids stay tiktoken's."""
+    reference = load_tokenizer(vocab, "tiktoken")
+    fast = load_tokenizer(vocab, "riptoken")
+    texts = _runs_near_the_long_piece_size()
+    for got, want in zip(fast.encode_batch(texts), reference.encode_batch(texts), strict=True):
+        assert np.array_equal(got, want)
+    for k in (1, 7, len(texts)):  # joined calls of k documents
+        for i in range(0, len(texts), k):
+            got, want = fast.encode_docs(texts[i:i + k]), reference.encode_docs(texts[i:i + k])
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), i
+    assert fast.fallbacks == 0
 
 
 def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
@@ -147,6 +195,8 @@ def test_documents_a_backend_cannot_take_go_to_tiktoken():
         reference.encode_batch(["a\ud800b"])
     with pytest.raises(UnicodeEncodeError):
         load_tokenizer("cl100k", "rs_bpe").encode_batch(["a\ud800b"])
+    with pytest.raises(UnicodeEncodeError):
+        load_tokenizer("gpt2", "riptoken").encode_batch(["a\ud800b"])
 
 
 def test_named_backends_are_checked():
@@ -175,8 +225,9 @@ def corpus(tmp_path_factory):
     return paths
 
 
-def run_digest(corpus, backend: str, feed_backend: str) -> tuple[str, int]:
-    cfg = Config(sources=(SourceConfig(paths=tuple(corpus)),), tokenizer="cl100k", seq_len=64,
+def run_digest(corpus, backend: str, feed_backend: str, tokenizer: str = "cl100k"
+               ) -> tuple[str, int]:
+    cfg = Config(sources=(SourceConfig(paths=tuple(corpus)),), tokenizer=tokenizer, seq_len=64,
                  global_batch_size=16, num_streams=8, unit_rows=10, seed=4, chunk_rows=8,
                  tokenizer_backend=backend)
     sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
@@ -188,12 +239,15 @@ def run_digest(corpus, backend: str, feed_backend: str) -> tuple[str, int]:
 
 
 @pytest.mark.multidevice
-def test_digest_is_the_same_on_every_backend(corpus):
-    want, steps = run_digest(corpus, "tiktoken", "local")
+@pytest.mark.parametrize("vocab", BUNDLED)
+def test_digest_is_the_same_on_every_backend(corpus, vocab):
+    want, steps = run_digest(corpus, "tiktoken", "local", vocab)
     assert steps >= 5
-    for backend in FASTEST_FIRST:
-        assert load_tokenizer("cl100k", backend).backend == backend  # what the stream loads
-        assert run_digest(corpus, backend, "local") == (want, steps), backend
+    backends = [b for b in FASTEST_FIRST if vocab in PROVEN[b]]
+    assert backends
+    for backend in backends:
+        assert load_tokenizer(vocab, backend).backend == backend  # what the stream loads
+        assert run_digest(corpus, backend, "local", vocab) == (want, steps), backend
 
 
 @pytest.mark.ray
