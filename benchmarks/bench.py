@@ -47,7 +47,7 @@ from benchmarks import scaling
 from benchmarks.corpus import BenchSpec, make_spec
 from benchmarks.measure import RunResult, run_measured
 
-__all__ = ["bench_command", "format_table", "run_bench"]
+__all__ = ["bench_command", "format_table", "machine_facts", "package_versions", "run_bench"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -102,7 +102,7 @@ def _section(result: RunResult, what: str) -> dict[str, Any]:
     return out
 
 
-def _machine() -> dict[str, Any]:
+def machine_facts() -> dict[str, Any]:
     import psutil
 
     model = ""
@@ -117,7 +117,7 @@ def _machine() -> dict[str, Any]:
             "python": platform.python_version(), "load_average_start": os.getloadavg()}
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
@@ -336,7 +336,7 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None, command: st
     results: dict[str, Any] = {
         "version": RESULTS_VERSION, "mode": "quick" if quick else "full", "command": command,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(), "versions": _versions(),
+        "machine": machine_facts(), "versions": package_versions(),
         "setting": {"config": config or "(built-in demo)", "files": list(spec.files),
                     "text_column": spec.text_column, "tokenizer": spec.tokenizer,
                     "tokenizer_backend": spec.tokenizer_backend,

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from benchmarks import scaling
-from benchmarks.bench import _machine, _versions, child_env
+from benchmarks.bench import child_env, machine_facts, package_versions
 from benchmarks.corpus import make_spec
 from benchmarks.measure import run_measured
 
@@ -118,7 +118,7 @@ def sweep(config: str | None, points: list[int], seconds: float, *,
     results: dict[str, Any] = {
         "command": "python -m benchmarks.worker_sweep " + " ".join(sys.argv[1:]),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(), "versions": _versions(),
+        "machine": machine_facts(), "versions": package_versions(),
         "setting": {"config": config or "(built-in demo)", "tokenizer": spec.tokenizer,
                     "seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size,
                     "num_streams": spec.num_streams, "seconds_per_point": seconds,

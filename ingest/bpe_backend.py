@@ -24,19 +24,25 @@ end-of-document token, as they go to tiktoken (``TiktokenTokenizer.encode_joined
 ``auto`` picks the first backend of ``FASTEST_FIRST`` proven on the vocabulary that is
 installed and passes the load-time self-check, else tiktoken. The self-check encodes
 ``probe_texts()`` with both libraries, one text at a time and joined; if any id differs, the
-tokenizer falls back to tiktoken with a warning. A document a backend cannot take (a string
+tokenizer falls back to tiktoken with a warning. Its verdict is kept in the cache folder by
+vocabulary and library files (``checked``), so worker processes after the first start
+without running it. A document a backend cannot take (a string
 with lone surrogates, one past a library's size limit) is encoded by tiktoken.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import itertools
 import logging
 import random
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from ingest.cache import cached_by_files
 
 __all__ = ["FASTEST_FIRST", "PROVEN", "FastBPETokenizer", "accelerate", "adversarial_texts",
            "load_encoder", "probe_texts", "self_check"]
@@ -204,30 +210,55 @@ class FastBPETokenizer:
 
 
 def self_check(reference, encode: Callable[[str], Sequence[int]],
-               texts: list[str] | None = None) -> str | None:
-    """None if ``encode`` gives the reference tokenizer's ids on every text, else the first
-    text (shortened) where they differ."""
+               texts: list[str] | None = None, fast: FastBPETokenizer | None = None
+               ) -> str | None:
+    """None if ``encode`` gives the reference tokenizer's ids on every text (default:
+    ``probe_texts()``), and ``fast.encode_docs`` its tokens and document ends on all of them in
+    one call, as a stream makes it; else what differs (the first text, shortened)."""
     texts = probe_texts() if texts is None else texts
-    for t, want in zip(texts, reference.encode_batch(texts), strict=True):
+    want = reference.encode_batch(texts)
+    for t, ids in zip(texts, want, strict=True):
         try:
             got = encode(t)
         except Exception as e:  # noqa: BLE001 (the probe texts are all valid text)
             return f"{t[:40]!r}: {type(e).__name__}: {e}"
-        if not np.array_equal(np.asarray(got, dtype=np.int64), want):
+        if not np.array_equal(np.asarray(got, dtype=np.int64), ids):
             return f"{t[:40]!r}"
+    if fast is not None and texts:
+        tokens, ends = fast.encode_docs(texts)
+        eos = np.array([reference.eos_id], dtype=np.int32)
+        if not (np.array_equal(tokens, np.concatenate([x for ids in want for x in (ids, eos)]))
+                and np.array_equal(ends, np.cumsum([len(ids) + 1 for ids in want]) - 1)):
+            return f"the probe texts encoded in one call ({len(texts)} documents)"
     return None
 
 
-def self_check_docs(reference, fast: FastBPETokenizer,
-                    texts: list[str] | None = None) -> str | None:
-    """None if ``fast.encode_docs`` gives the reference's tokens and document ends on
-    ``texts`` (default: ``probe_texts()``) in one call, as a stream makes it; else what
-    differs."""
-    texts = probe_texts() if texts is None else texts
-    want, got = reference.encode_docs(texts), fast.encode_docs(texts)
-    if not (np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])):
-        return f"the probe texts encoded in one call ({len(texts)} documents)"
-    return None
+# The compiled modules whose code gives a backend's ids (tiktoken's: the reference's).
+_LIBRARY_MODULES = {"rs_bpe": "rs_bpe.bpe", "bpe_openai": "bpe_openai._bindings",
+                    "riptoken": "riptoken._riptoken"}
+
+
+def checked(reference, backend: str, encoding: str, fast: FastBPETokenizer) -> str | None:
+    """``self_check``'s verdict on ``fast`` (``backend`` running its ``encoding``), kept in
+    the cache folder (``ingest.cache``) by both, the vocabulary, and the files of both
+    libraries and of this module: the first process on a machine runs it (about 0.3 s), later
+    ones (every worker) read it."""
+    files = [__file__] + [spec.origin for spec in map(
+        importlib.util.find_spec, (_LIBRARY_MODULES[backend], "tiktoken._tiktoken"))
+        if spec is not None and spec.origin]
+    kind = f"backend-checks/{backend}-{encoding}-{vocabulary_digest(reference._enc)}"
+    return cached_by_files(kind, files, lambda: self_check(reference, fast._encode, fast=fast))
+
+
+def vocabulary_digest(encoding) -> str:
+    """A digest of a tiktoken encoding's ranks, pattern and special tokens (about 10 ms)."""
+    ranks = encoding._mergeable_ranks
+    h = hashlib.sha256(repr((encoding._pat_str, sorted(encoding._special_tokens.items())))
+                       .encode())
+    h.update(np.fromiter(map(len, ranks), dtype=np.int32, count=len(ranks)).tobytes())
+    h.update(b"".join(ranks))
+    h.update(np.fromiter(ranks.values(), dtype=np.int64, count=len(ranks)).tobytes())
+    return h.hexdigest()[:16]
 
 
 def accelerate(reference, spec: str, backend: str):
@@ -266,7 +297,7 @@ def accelerate(reference, spec: str, backend: str):
                 raise ValueError(f"tokenizer_backend={backend!r} needs its library: pip "
                                  f"install {name.replace('_', '-')} ({e})") from e
             continue
-        bad = self_check(reference, fast._encode) or self_check_docs(reference, fast)
+        bad = checked(reference, name, PROVEN[name][spec], fast)
         if bad is not None:
             log.warning("tokenizer %s: backend %s gave ids that differ from tiktoken's on %s; "
                         "using tiktoken", spec, name, bad)
@@ -327,6 +358,11 @@ def adversarial_texts(n: int, seed: int = 0) -> list[str]:
 
 def probe_texts() -> list[str]:
     """The load-time self-check's texts: every fixed piece, and a few hundred generated ones
-    (about 10 ms to encode)."""
-    return [*_SCRIPTS, *_EMOJI, *_SPACES, *_CODE, "".join(_SCRIPTS + _EMOJI + _SPACES + _CODE),
-            *adversarial_texts(300, seed=1)]
+    (about 40 ms to encode with tiktoken)."""
+    return list(_probe_texts())
+
+
+@functools.cache
+def _probe_texts() -> tuple[str, ...]:
+    return (*_SCRIPTS, *_EMOJI, *_SPACES, *_CODE, "".join(_SCRIPTS + _EMOJI + _SPACES + _CODE),
+            *adversarial_texts(300, seed=1))

@@ -25,7 +25,9 @@ from ingest.bpe_backend import (
     FastBPETokenizer,
     accelerate,
     adversarial_texts,
+    checked,
     load_encoder,
+    load_joined_encoder,
     long_piece_possible,
     self_check,
 )
@@ -181,6 +183,31 @@ def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
                for r in caplog.records)
     # auto goes on to the next backend that passes.
     assert accelerate(reference, "cl100k", "auto").backend == "bpe_openai"
+
+
+def test_the_self_check_runs_once_per_machine_for_a_backend_and_vocabulary(tmp_path,
+                                                                            monkeypatch):
+    import ingest.bpe_backend as bpe_backend
+
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))
+    runs = []
+    real = bpe_backend.self_check
+    monkeypatch.setattr(bpe_backend, "self_check",
+                        lambda *a, **k: runs.append(a[0].name) or real(*a, **k))
+    reference = load_tokenizer("gpt2", "tiktoken")
+    fast = FastBPETokenizer(reference, "riptoken", load_encoder("riptoken", "gpt2", reference),
+                            load_joined_encoder("riptoken", reference))
+    assert checked(reference, "riptoken", "gpt2", fast) is None
+    assert checked(reference, "riptoken", "gpt2", fast) is None  # read, not run again
+    assert runs == ["gpt2"]
+    # Another vocabulary, or another of the library's encodings, is checked on its own; a
+    # verdict against is kept as well (and the backend refused each time).
+    cl100k = load_tokenizer("cl100k", "tiktoken")
+    wrong = FastBPETokenizer(cl100k, "rs_bpe", load_encoder("rs_bpe", "o200k_base"))
+    for _ in range(2):
+        assert checked(cl100k, "rs_bpe", "o200k_base", wrong) is not None
+    assert runs == ["gpt2", "cl100k"]
+    assert len(list((tmp_path / "backend-checks").iterdir())) == 2
 
 
 def test_documents_a_backend_cannot_take_go_to_tiktoken():
