@@ -119,23 +119,34 @@ def test_ray_data_peer_packs_the_rows_our_stream_packs(seed):
         np.testing.assert_array_equal(theirs[field], ours[i], err_msg=field)
 
 
-@pytest.mark.slow
-def test_chunk_sweep_reports_each_size_with_its_object_store_bound(tmp_path):
+def _small_config(tmp_path: Path, seed: int, **fields) -> Path:
+    """A config of a small Parquet corpus written under ``tmp_path``."""
     from tests.helpers import write_parquet_corpus
 
     write_parquet_corpus(tmp_path / "corpus", n_files=2, docs_per_file=120, row_group_size=40,
-                         seed=3)
+                         seed=seed)
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps({
         "sources": [{"paths": [str(tmp_path / "corpus")]}], "seq_len": 64,
-        "global_batch_size": 8, "num_streams": 4, "unit_rows": 20, "prefetch": 2}))
-    cmd = [sys.executable, "-m", "benchmarks.chunk_sweep", "--config", str(config),
-           "--epochs", "2", "--rows", "4", "8", "--rounds", "1"]
+        "global_batch_size": 8, "num_streams": 4, "unit_rows": 20, **fields}))
+    return config
+
+
+def _run_program(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs a benchmark program to its end, failing the test on a deadline or an error."""
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s; stderr so far:\n{e.stderr}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_chunk_sweep_reports_each_size_with_its_object_store_bound(tmp_path):
+    config = _small_config(tmp_path, 3, prefetch=2)
+    proc = _run_program([sys.executable, "-m", "benchmarks.chunk_sweep", "--config",
+                         str(config), "--epochs", "2", "--rows", "4", "8", "--rounds", "1"])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["epochs"] == 2 and set(out["runs"]) == {"4", "8"}
     for r in ("4", "8"):
@@ -212,24 +223,13 @@ def test_worker_sweep_leaves_one_cpu_to_the_host():
 
 @pytest.mark.slow
 def test_worker_sweep_sizes_each_point_by_its_workers_and_records_each_worker(tmp_path):
-    from tests.helpers import write_parquet_corpus
-
-    write_parquet_corpus(tmp_path / "corpus", n_files=2, docs_per_file=120, row_group_size=40,
-                         seed=5)
-    config = tmp_path / "c.yaml"
-    config.write_text(json.dumps({
-        "sources": [{"paths": [str(tmp_path / "corpus")]}], "seq_len": 64,
-        "global_batch_size": 8, "num_streams": 4, "unit_rows": 20}))
+    config = _small_config(tmp_path, 5)
     out = tmp_path / "sweep.json"
     limit = 20_000  # tokens/s: small, so that each point is a few hundred steps
-    cmd = [sys.executable, "-m", "benchmarks.worker_sweep", str(config), "--workers", "1", "2",
-           "--seconds", "1", "--limit", str(limit), "--corpus-tokens", "5000",
-           "--cores-limits", "produce", "--set", "prefetch=3", "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s; stderr so far:\n{e.stderr}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    proc = _run_program([sys.executable, "-m", "benchmarks.worker_sweep", str(config),
+                         "--workers", "1", "2", "--seconds", "1", "--limit", str(limit),
+                         "--corpus-tokens", "5000", "--cores-limits", "produce",
+                         "--set", "prefetch=3", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["setting"]["overrides"] == {"prefetch": 3}
     one, two = r["runs"]
