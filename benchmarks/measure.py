@@ -54,23 +54,25 @@ def process_start_time() -> float:
     return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def _minor_faults(pid: int) -> int:
-    """The process's minor page faults so far (/proc/PID/stat), or -1 where unreadable."""
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields after the command name of a /proc stat file (field 3 on), or None."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[7])
-    except (OSError, ValueError, IndexError):
-        return -1
+        with open(path, encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _minor_faults(pid: int) -> int:
+    """The process's minor page faults so far, or -1 where unreadable."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return int(fields[7]) if fields else -1
 
 
 def _main_thread_cpu_s(pid: int) -> float:
-    """CPU seconds of the process's main thread alone (/proc/PID/task/PID/stat), or -1."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return -1.0
+    """CPU seconds of the process's main thread alone, or -1 where unreadable."""
+    fields = _stat_fields(f"/proc/{pid}/task/{pid}/stat")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else -1.0
 
 
 def _machine_busy_cpu_s() -> float:
