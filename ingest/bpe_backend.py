@@ -44,8 +44,9 @@ import numpy as np
 
 from ingest.cache import cached_by_files
 
-__all__ = ["FASTEST_FIRST", "PROVEN", "FastBPETokenizer", "accelerate", "adversarial_texts",
-           "load_encoder", "probe_texts", "self_check"]
+__all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
+           "adversarial_texts", "checked", "load_encoder", "load_joined_encoder",
+           "long_piece_possible", "probe_texts", "self_check"]
 
 log = logging.getLogger("ingest.tokenize")
 
