@@ -3,8 +3,9 @@ stream to the worker pool where it is.
 
 A local Ray cluster takes seconds to start, and its workers about one more. Until the pool
 runs, ``WarmStartSource`` makes each stream's chunks in this process, one step's rows at a
-time, on a thread of low CPU priority (Linux): it takes the CPU that Ray's start leaves idle,
-not Ray's. Once the workers answer, it notes where each stream is, ``(state, rows to skip)``,
+time: at normal priority until every stream has its first chunk (the first batch, which the
+caller waits for), then at low CPU priority (Linux), taking the CPU that Ray's start leaves
+idle, not Ray's. Once the workers answer, it notes where each stream is, ``(state, rows to skip)``,
 and opens the pool there. A stream's rows depend only on its state, never on who makes them or
 in what chunks, so the batches are those of the pool alone::
 
@@ -34,7 +35,8 @@ __all__ = ["WarmStartSource"]
 
 log = logging.getLogger("ingest")
 
-# The host thread's nice value while Ray starts: 10 weighs about a tenth of a default thread.
+# The host thread's nice value while Ray starts, once the first batch's chunks are made: 10
+# weighs about a tenth of a default thread.
 HOST_NICE = 10
 
 
@@ -73,8 +75,8 @@ class WarmStartSource:
                  step_rows: int, get_timeout_s: float):
         self._new_local = lambda: LocalSource(config, plan, stream_ids, rows=max(1, step_rows))
         self._local: LocalSource | None = self._new_local()
-        self._maker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="WarmStart-host", initializer=_lower_priority)
+        self._maker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="WarmStart-host")
+        self._first_chunks: set[int] | None = set()  # streams with a chunk; None once lowered
         self._await_ray = await_ray
         self._make_pool = make_pool
         self._workers = workers
@@ -101,7 +103,7 @@ class WarmStartSource:
             raise self._error
         with self._lock:
             if not self._handing_off:
-                c = self._maker.submit(self._local.next_chunk, s).result()
+                c = self._maker.submit(self._make, s).result()
                 self.host_rows += c.num_rows
                 self._at[s] = (c.state_after, 0)
                 return c
@@ -111,6 +113,17 @@ class WarmStartSource:
         if self._error is not None:
             raise self._error
         return self._pool.next_chunk(s)
+
+    def _make(self, s: int) -> Chunk:
+        """Stream ``s``'s next chunk, on the maker thread, which lowers its priority once every
+        stream has had one."""
+        c = self._local.next_chunk(s)
+        if self._first_chunks is not None:
+            self._first_chunks.add(s)
+            if len(self._first_chunks) == self._streams:
+                _lower_priority()
+                self._first_chunks = None
+        return c
 
     def _start_pool(self) -> None:
         """The thread: waits for Ray, builds the pool, waits for its workers, and opens every

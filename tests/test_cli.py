@@ -265,6 +265,21 @@ def test_run_without_steps_feeds_to_the_end_of_the_data(job, cache_dir, in_proce
     assert s["tokens"] == in_process["stats"]["tokens"]
 
 
+def test_a_run_that_saves_no_checkpoint_does_not_import_orbax(job, cache_dir):
+    # orbax takes about 0.7 s to import: a run without --checkpoint-dir must not wait for it
+    # before its first batch.
+    module, function = entry_point()
+    report = "import atexit, sys; atexit.register(lambda: print('orbax imported:', " \
+             "'orbax.checkpoint' in sys.modules, file=sys.stderr))"
+    cmd = [sys.executable, "-c", f"{report}; from {module} import {function}; "
+           f"sys.exit({function}())", "run", str(job / "config.yaml"), "--json", "--no-progress",
+           "--backend", "local", "--steps", "2"]
+    proc = subprocess.run(cmd, env=cli_env(cache_dir), capture_output=True, text=True,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert summary(proc)["steps"] == 2
+    assert "orbax imported: False" in proc.stderr, proc.stderr[-2000:]
+
+
 # -- errors -------------------------------------------------------------------------------
 
 

@@ -3,6 +3,8 @@ where each stream is; the batches are those of the local backend, bit for bit.""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import jax
@@ -11,7 +13,8 @@ import pytest
 
 from ingest import BatchDigest, Config, SourceConfig
 from jax_side import HostFeed, batch_sharding
-from jax_side.warm_start import WarmStartSource
+from jax_side.local_source import LocalSource
+from jax_side.warm_start import HOST_NICE, WarmStartSource
 from tests.helpers import write_parquet_corpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -144,3 +147,34 @@ def test_ray_failing_to_start_fails_the_feed_with_its_error(ray_cluster, corpus)
         with pytest.raises(ConnectionError, match="no Ray cluster at 127.0.0.1:1"):
             for _, _ in zip(range(10_000), it, strict=False):
                 pass
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread CPU priority")
+def test_the_first_batch_is_made_at_normal_priority_and_the_rest_below_it(corpus, monkeypatch):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if base >= HOST_NICE:
+        pytest.skip(f"this process already runs at nice {base}")
+    made: list[tuple[int, int]] = []  # (stream, the maker thread's nice while it made it)
+    real = LocalSource.next_chunk
+
+    def recording(self, s):
+        made.append((s, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(self, s)
+
+    monkeypatch.setattr(LocalSource, "next_chunk", recording)
+    cfg = _config(corpus, num_epochs=None)
+    gate = Gate(error=ConnectionError("Ray never comes in this test"))
+    try:
+        with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+            it = iter(feed)
+            for _ in range(3):
+                next(it)
+            gate.opened.set()
+    except ConnectionError:
+        pass
+    gate.opened.set()
+    assert len(made) > cfg.num_streams, made
+    seen: set[int] = set()
+    for s, nice in made:
+        assert nice == (base if len(seen) < cfg.num_streams else HOST_NICE), (s, seen, made)
+        seen.add(s)
