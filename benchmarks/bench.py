@@ -98,7 +98,7 @@ def _section(result: RunResult, what: str) -> dict[str, Any]:
     out = dict(result.summary)
     out["wall_s"] = result.wall_s
     if result.memory is not None:
-        out["memory"] = result.memory
+        out["memory"] = {k: v for k, v in result.memory.items() if k != "cpu_series"}
     return out
 
 
@@ -112,9 +112,26 @@ def machine_facts() -> dict[str, Any]:
                          "")
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu_model": model,
+    return {"cpus": os.cpu_count(), "cpu_model": model, "cpu_siblings": _cpu_siblings(),
             "memory_bytes": psutil.virtual_memory().total, "platform": platform.platform(),
             "python": platform.python_version(), "load_average_start": os.getloadavg()}
+
+
+def _cpu_siblings(root: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """The CPUs that share a physical core (hyperthreads), one list per core, as the kernel
+    reports them; [] where it does not."""
+    cores = set()
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        path = os.path.join(root, name, "topology", "thread_siblings_list")
+        if not (name.startswith("cpu") and name[3:].isdigit() and os.path.exists(path)):
+            continue
+        with open(path, encoding="ascii") as f:
+            cpus = []
+            for part in f.read().strip().split(","):
+                a, _, b = part.partition("-")
+                cpus.extend(range(int(a), int(b or a) + 1))
+        cores.add(tuple(cpus))
+    return [list(c) for c in sorted(cores)]
 
 
 def package_versions() -> dict[str, str]:

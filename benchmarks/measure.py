@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["RunResult", "TreeSampler", "process_start_time", "run_measured"]
+__all__ = ["RunResult", "TreeSampler", "busy_between", "process_start_time", "run_measured"]
 
 GROUPS = ("host", "workers", "ray_idle_workers", "ray_system")
 STORE_POLL_S = 1.0  # one small RPC to the raylet per second
@@ -130,6 +130,28 @@ def own_bytes(pid: int) -> int | None:
     return fields["VmRSS"] - fields["RssShmem"]
 
 
+def busy_between(series: list, t_a: float, t_b: float) -> dict[str, Any] | None:
+    """From a ``cpu_series`` (``TreeSampler.stop``): the cores each group kept busy between
+    ``t_a`` and ``t_b`` seconds after the sampler started (the samples nearest inside), and
+    each worker's, busiest first; None where fewer than two samples fall inside."""
+    inside = [(t, d) for t, d in series if t_a <= t <= t_b]
+    if len(inside) < 2:
+        return None
+    (ta, a), (tb, b) = inside[0], inside[-1]
+    dt = tb - ta
+    groups: dict[str, float] = {}
+    workers = []
+    for pid, (g, c) in b.items():
+        if pid not in a:
+            continue
+        busy = (c - a[pid][1]) / dt
+        groups[g] = groups.get(g, 0.0) + busy
+        if g == "workers":
+            workers.append(round(busy, 3))
+    return {"from_s": ta, "to_s": tb, "cores": {g: round(v, 3) for g, v in groups.items()},
+            "workers": sorted(workers, reverse=True)}
+
+
 class TreeSampler:
     """Samples a process tree's memory (and Ray's object store) on a background thread.
 
@@ -148,6 +170,8 @@ class TreeSampler:
         self._total_peak = 0
         self._samples = 0
         self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (group, CPU seconds so far)
+        # (seconds since start, {pid: (group, CPU seconds so far)}) per sample
+        self._series: list[tuple[float, dict[int, tuple[str, float]]]] = []
         # pid -> (user s, system s, main thread's s, minor page faults, voluntary and
         # involuntary context switches so far, the CPU it is bound to or None), for the
         # workers' group
@@ -202,6 +226,8 @@ class TreeSampler:
                                      "bound_to_cpu": c}
                                     for u, sy, mt, f, v, i, c in self._worker_detail.values()),
                                    key=lambda d: -(d["user_s"] + d["system_s"]))}
+        out["cpu_series"] = [[round(t, 3), {str(pid): [g, round(c, 3)] for pid, (g, c) in d.items()}]
+                             for t, d in self._series]
         for g, p in self._peaks.items():
             out[g] = {"peak_bytes": p.sum_bytes, "max_process_bytes": p.max_process_bytes,
                       "max_process_own_bytes": p.max_process_own_bytes,
@@ -262,6 +288,7 @@ class TreeSampler:
             if mine is not None:
                 own[group] = max(own[group], mine)
         self._samples += 1
+        self._series.append((time.perf_counter() - self._t0, dict(self._cpu)))
         self._total_peak = max(self._total_peak, sum(sums.values()))
         for g in GROUPS:
             p = self._peaks[g]

@@ -6,8 +6,9 @@ workers it runs ``ingest run --no-warm-start --workers W`` for as many steps as 
 single-core tokenizer limit make in ``--seconds`` (over as many epochs as that takes), so that
 every point measures about the same span of steady work. Beside each point it records where
 the CPU went (the host process, the workers, Ray's own processes), each worker's rows/s, and,
-as the machine's own ceiling, the single-core tokenizer limit run on W cores at once (one
-pinned process per core, no Ray): what the cores give together when all of them are busy.
+as the machine's own ceiling, the tokenizer and our ``produce`` run on W cores at once (one
+pinned process per core, no Ray) for as long as the run's work lasted: what the cores keep
+up together when all of them are busy.
 
     python -m benchmarks.worker_sweep [CONFIG] [--workers 1 2 4 8 15] [--seconds 10]
         [--out benchmarks/results-sweep.json]
@@ -27,14 +28,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
+import psutil
 import yaml
 
 from benchmarks import scaling
 from benchmarks.bench import child_env, machine_facts, package_versions
 from benchmarks.corpus import make_spec
-from benchmarks.measure import run_measured
+from benchmarks.measure import busy_between, run_measured
 
 __all__ = ["default_points", "main"]
 
@@ -56,12 +59,14 @@ def default_points(cpus: int) -> list[int]:
 
 
 def _limits_on_cores(spec_path: str, cores: list[int], env: dict[str, str],
-                     what: str = "tokenizer") -> list[dict]:
-    """``benchmarks.limit WHAT`` on each of ``cores`` at once, one pinned process each."""
+                     what: str = "tokenizer", seconds: float | None = None) -> list[dict]:
+    """``benchmarks.limit WHAT`` on each of ``cores`` at once, one pinned process each; with
+    ``seconds``, pass after pass for that long (``--seconds``)."""
     procs = []
     for core in cores:
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.limit", what, "--spec", spec_path],
+            [sys.executable, "-m", "benchmarks.limit", what, "--spec", spec_path,
+             *(["--seconds", f"{seconds:.1f}"] if seconds else [])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})))
     out = []
@@ -71,6 +76,11 @@ def _limits_on_cores(spec_path: str, cores: list[int], env: dict[str, str],
             raise RuntimeError(f"benchmarks.limit failed: {stderr[-2000:]}")
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
+
+
+def _steal_s() -> float:
+    """The machine's steal time so far, all CPUs together (0 where the kernel counts none)."""
+    return getattr(psutil.cpu_times(), "steal", 0.0)
 
 
 def _run_point(workers: int, steps: int, config_path: str, env: dict[str, str]
@@ -94,11 +104,16 @@ def _run_point(workers: int, steps: int, config_path: str, env: dict[str, str]
         wall = m["wall_s"]
         out["cpu_cores_busy"] = {k: round(v / wall, 3) for k, v in m["cpu_s"].items()}
         out["other_programs_cores_busy"] = round(m["other_programs_cpu_s"] / wall, 3)
-        # Each worker's CPU seconds over the span from the first batch to the end: near 1
-        # where the workers bound the rate, well below where something else does.
+        # CPU time the hypervisor gave to other machines while ours wanted it (steal).
+        out["steal_cores"] = round(m.get("machine_steal_s", 0.0) / wall, 3)
+        # The cores each process kept busy in the run's steady part (from a fifth into the
+        # span after the first batch to its end): a worker near 1 bounds the rate, well below
+        # 1 waits on something else.
         span = s["tokens"] / s["tokens_per_s"] if s.get("tokens_per_s") else 0.0
-        if span and m.get("workers_cpu_s"):
-            out["worker_cpu_over_span"] = [round(c / span, 3) for c in m["workers_cpu_s"]]
+        first = s.get("startup_s")
+        if span and first and m.get("cpu_series"):
+            out["steady_busy"] = busy_between(m["cpu_series"], first + 0.2 * span,
+                                              first + span)
         out["workers_detail"] = m.get("workers_detail", [])[:workers]
     return out
 
@@ -149,10 +164,20 @@ def sweep(config: str | None, points: list[int], seconds: float, *,
             if rate:
                 run["of_w_x_limit"] = rate / (w * limit)
             cores = sorted(os.sched_getaffinity(0))[:w]
+            # As long as the run's work after its first batch: a core's rate over a second
+            # (the best of a few short passes) is above the rate it keeps up for longer.
+            span = (run["tokens"] / run["tokens_per_s"]) if run.get("tokens_per_s") else seconds
+            span = min(max(span, 3.0), 4 * seconds)
             for what in cores_limits:
-                _log(f"{w} worker(s): benchmarks.limit {what} on {len(cores)} core(s) at once")
-                together = _limits_on_cores(spec_path, cores, env, what)
+                _log(f"{w} worker(s): benchmarks.limit {what} on {len(cores)} core(s) at once "
+                     f"for {span:.0f} s")
+                steal0, t0 = _steal_s(), time.monotonic()
+                together = _limits_on_cores(spec_path, cores, env, what, span)
+                run[f"{what}_on_w_cores_steal_cores"] = round(
+                    (_steal_s() - steal0) / (time.monotonic() - t0), 3)
                 run[f"{what}_on_w_cores_tokens_per_s"] = sum(x["tokens_per_s"] for x in together)
+                run[f"{what}_on_w_cores_passes"] = [x["passes_tokens_per_s"] for x in together]
+            run["cores_limits_seconds"] = round(span, 1)
             runs.append(run)
             _log(json.dumps(run))
         results["runs"] = runs
@@ -162,7 +187,9 @@ def sweep(config: str | None, points: list[int], seconds: float, *,
 def format_table(r: dict[str, Any]) -> str:
     lim = r["limit"]["tokens_per_s"]
     head = ("workers", "tok/s", "steady", "/ (W x limit)", "tokenizer on W cores",
-            "produce on W cores", "host cores", "worker cores", "Ray cores")
+            "produce on W cores", "host cores", "worker cores", "Ray cores", "steal cores")
+    # host, worker and Ray cores: busy in the run's steady part where it was sampled, else
+    # over the whole run (startup included)
     lines = [f"worker sweep on {r['machine']['cpus']} CPUs ({r['machine']['cpu_model']}); "
              f"single-core limit {lim / 1e6:.2f} M tokens/s",
              " | ".join(head)]
@@ -170,14 +197,17 @@ def format_table(r: dict[str, Any]) -> str:
         if "error" in x:
             lines.append(f"{x['workers']} | error: {x['error'][:200]}")
             continue
-        c = x.get("cpu_cores_busy", {})
+        c = (x.get("steady_busy") or {}).get("cores") or x.get("cpu_cores_busy", {})
         tok, prod = (x.get(f"{w}_on_w_cores_tokens_per_s") for w in ("tokenizer", "produce"))
         lines.append(" | ".join([
             str(x["workers"]), f"{x['tokens_per_s'] / 1e6:.1f} M",
             f"{x.get('steady_tokens_per_s', 0) / 1e6:.1f} M", f"{x['of_w_x_limit']:.2f}",
             f"{tok / 1e6:.1f} M" if tok else "-", f"{prod / 1e6:.1f} M" if prod else "-",
             f"{c.get('host', 0):.2f}", f"{c.get('workers', 0):.2f}",
-            f"{c.get('ray_system', 0) + c.get('ray_idle_workers', 0):.2f}"]))
+            f"{c.get('ray_system', 0) + c.get('ray_idle_workers', 0):.2f}",
+            f"{x.get('steal_cores', 0):.2f}" + "".join(
+                f", {w} alone {x[f'{w}_on_w_cores_steal_cores']:.2f}"
+                for w in ("tokenizer", "produce") if f"{w}_on_w_cores_steal_cores" in x)]))
     return "\n".join(lines)
 
 

@@ -212,6 +212,20 @@ def test_scaling_plot_is_a_png_and_says_why_when_nothing_ran(tmp_path):
         "no run of the sweep succeeded"
 
 
+def test_busy_between_takes_the_cpu_of_the_samples_inside_the_window():
+    from benchmarks.measure import busy_between
+
+    series = [[0.0, {"1": ["host", 0.0], "2": ["workers", 0.0]}],
+              [1.0, {"1": ["host", 0.5], "2": ["workers", 1.0]}],
+              [3.0, {"1": ["host", 1.0], "2": ["workers", 2.5], "3": ["workers", 0.4]}],
+              [5.0, {"1": ["host", 1.2], "2": ["workers", 4.5], "3": ["workers", 2.4]}]]
+    b = busy_between(series, 0.5, 5.0)  # the samples at 1 s and 5 s
+    assert (b["from_s"], b["to_s"]) == (1.0, 5.0)
+    assert b["cores"] == {"host": 0.175, "workers": 0.875}  # process 3 began inside: left out
+    assert b["workers"] == [0.875]
+    assert busy_between(series, 2.0, 4.0) is None  # one sample inside
+
+
 def test_worker_sweep_leaves_one_cpu_to_the_host():
     from benchmarks.worker_sweep import default_points
 
@@ -240,6 +254,10 @@ def test_worker_sweep_sizes_each_point_by_its_workers_and_records_each_worker(tm
         assert run["tokens"] == run["steps"] * 8 * 64
         _positive(run, "tokens_per_s", "produce_on_w_cores_tokens_per_s", "of_w_x_limit")
         assert len(run["workers_detail"]) == w
+        # produce alone ran on W cores for as long as the run's work, pass after pass
+        assert len(run["produce_on_w_cores_passes"]) == w
+        assert all(p and min(p) > 0 for p in run["produce_on_w_cores_passes"])
+        assert run["cores_limits_seconds"] >= 3.0
         for d in run["workers_detail"]:
             assert d["user_s"] > 0 and d["minor_faults"] > 0
             assert 0 < d["main_thread_s"] <= d["user_s"] + d["system_s"] + 0.02
