@@ -596,7 +596,8 @@ def format_table(r: dict[str, Any]) -> str:
     if "default_run_over_cpus_x_limit" in ra and r["mode"] != "quick":
         lines.append(f"the default run from its first batch: ours / ({cpus} x single-core "
                      f"limit) = {ra['default_run_over_cpus_x_limit']:.2f} (its first rows come "
-                     f"from the host's one low-priority thread while Ray starts)")
+                     f"from one thread of the host while Ray starts, at low priority after the "
+                     f"first batch)")
     if "ours_with_startup_over_cpus_x_limit" in ra:
         lines.append(f"counting startup: ours / ({cpus} x single-core limit) = "
                      f"{ra['ours_with_startup_over_cpus_x_limit']:.2f}"
