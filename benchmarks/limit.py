@@ -61,14 +61,20 @@ def _rates(times: list[float], tokens: int, nbytes: int, docs: int) -> dict[str,
             "bytes_per_s": nbytes / best, "documents_per_s": docs / best}
 
 
-def measure_tokenizer(spec: BenchSpec, backend: str = "tiktoken") -> dict[str, Any]:
-    """The configured tokenizer on ``backend`` (tiktoken: the reference every ratio is taken
-    against), through the feed's own call (``encode_docs``)."""
+def _warm_tokenizer(spec: BenchSpec, backend: str) -> tuple[Any, list[str], dict[str, Any]]:
+    """The configured tokenizer on ``backend``, its caches built, and the documents to time."""
     from ingest.tokenize import load_tokenizer
 
     texts, info = load_texts(spec.files, spec.text_column, spec.limit_text_bytes)
     tok = load_tokenizer(spec.tokenizer, backend)
     tok.encode_docs(texts[:20])  # first calls build caches (regex, BPE tables)
+    return tok, texts, info
+
+
+def measure_tokenizer(spec: BenchSpec, backend: str = "tiktoken") -> dict[str, Any]:
+    """The configured tokenizer on ``backend`` (tiktoken: the reference every ratio is taken
+    against), through the feed's own call (``encode_docs``)."""
+    tok, texts, info = _warm_tokenizer(spec, backend)
     times, tokens = [], 0
     for _ in range(spec.repeats):
         t0 = time.perf_counter()
@@ -179,6 +185,11 @@ _PROFILE_PARTS = (
 )
 
 
+def _rows_per_stream(spec: BenchSpec) -> int | None:
+    """Each stream's rows in ``spec.steps`` steps; None (to the end) without steps."""
+    return spec.steps * (spec.global_batch_size // spec.num_streams) if spec.steps else None
+
+
 def _produce_all(spec: BenchSpec, max_rows_per_stream: int | None) -> tuple[float, int, int]:
     from ingest.config import Config
     from ingest.plan import build_plan
@@ -212,8 +223,7 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
     from ingest.process import one_cpu_producer
 
     one_cpu_producer()  # as a worker does
-    k = spec.global_batch_size // spec.num_streams
-    cap = spec.steps * k if spec.steps else None
+    cap = _rows_per_stream(spec)
     # The profiled pass first: it also warms the page cache and the tokenizer's caches.
     prof = cProfile.Profile()
     prof.enable()
@@ -258,11 +268,7 @@ def measure_sustained(spec: BenchSpec, what: str, seconds: float) -> dict[str, A
     the rate one core keeps up over as long as a run of the feed, where the other measures
     take the best of a few passes of about a second each."""
     if what == "tokenizer":
-        from ingest.tokenize import load_tokenizer
-
-        texts, info = load_texts(spec.files, spec.text_column, spec.limit_text_bytes)
-        tok = load_tokenizer(spec.tokenizer, "tiktoken")
-        tok.encode_docs(texts[:20])
+        tok, texts, info = _warm_tokenizer(spec, "tiktoken")
         complete = info["complete"]
 
         def one_pass() -> int:
@@ -271,7 +277,7 @@ def measure_sustained(spec: BenchSpec, what: str, seconds: float) -> dict[str, A
         from ingest.process import one_cpu_producer
 
         one_cpu_producer()
-        cap = spec.steps * (spec.global_batch_size // spec.num_streams) if spec.steps else None
+        cap = _rows_per_stream(spec)
         complete = cap is None
 
         def one_pass() -> int:

@@ -32,7 +32,8 @@ from typing import Any
 
 import psutil
 
-__all__ = ["RunResult", "TreeSampler", "busy_between", "process_start_time", "run_measured"]
+__all__ = ["RunResult", "TreeSampler", "busy_between", "machine_steal_s", "process_start_time",
+           "run_measured"]
 
 GROUPS = ("host", "workers", "ray_idle_workers", "ray_system")
 STORE_POLL_S = 1.0  # one small RPC to the raylet per second
@@ -80,7 +81,7 @@ def _machine_busy_cpu_s() -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
-def _machine_steal_s() -> float:
+def machine_steal_s() -> float:
     """CPU time the hypervisor gave to other machines: contention a guest cannot see."""
     return getattr(psutil.cpu_times(), "steal", 0.0)
 
@@ -130,12 +131,14 @@ def own_bytes(pid: int) -> int | None:
     return fields["VmRSS"] - fields["RssShmem"]
 
 
-def busy_between(series: list, t_a: float, t_b: float) -> dict[str, Any] | None:
+def busy_between(series: list, t_a: float, t_b: float, min_s: float = 1.0
+                 ) -> dict[str, Any] | None:
     """From a ``cpu_series`` (``TreeSampler.stop``): the cores each group kept busy between
     ``t_a`` and ``t_b`` seconds after the sampler started (the samples nearest inside), and
-    each worker's, busiest first; None where fewer than two samples fall inside."""
+    each worker's, busiest first; None where the samples inside span less than ``min_s``
+    (CPU time comes in ticks of 10 ms: a shorter span says little)."""
     inside = [(t, d) for t, d in series if t_a <= t <= t_b]
-    if len(inside) < 2:
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < min_s:
         return None
     (ta, a), (tb, b) = inside[0], inside[-1]
     dt = tb - ta
@@ -177,7 +180,7 @@ class TreeSampler:
         # workers' group
         self._worker_detail: dict[int, tuple] = {}
         self._machine_cpu0 = _machine_busy_cpu_s()
-        self._steal0 = _machine_steal_s()
+        self._steal0 = machine_steal_s()
         self._t0 = time.perf_counter()
         self._poll_store = poll_object_store
         self._store_stub = None
@@ -215,7 +218,7 @@ class TreeSampler:
                                "machine_cpu_s": machine,
                                # The sampler's own few ms per sample are in here too.
                                "other_programs_cpu_s": max(0.0, machine - tree),
-                               "machine_steal_s": _machine_steal_s() - self._steal0,
+                               "machine_steal_s": machine_steal_s() - self._steal0,
                                "workers_cpu_s": sorted(
                                    (round(sec, 3) for g, sec in self._cpu.values()
                                     if g == "workers"), reverse=True),

@@ -31,13 +31,12 @@ import tempfile
 import time
 from typing import Any
 
-import psutil
 import yaml
 
 from benchmarks import scaling
 from benchmarks.bench import child_env, machine_facts, package_versions
 from benchmarks.corpus import make_spec
-from benchmarks.measure import busy_between, run_measured
+from benchmarks.measure import busy_between, machine_steal_s, run_measured
 
 __all__ = ["default_points", "main"]
 
@@ -76,11 +75,6 @@ def _limits_on_cores(spec_path: str, cores: list[int], env: dict[str, str],
             raise RuntimeError(f"benchmarks.limit failed: {stderr[-2000:]}")
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
-
-
-def _steal_s() -> float:
-    """The machine's steal time so far, all CPUs together (0 where the kernel counts none)."""
-    return getattr(psutil.cpu_times(), "steal", 0.0)
 
 
 def _run_point(workers: int, steps: int, config_path: str, env: dict[str, str]
@@ -171,10 +165,10 @@ def sweep(config: str | None, points: list[int], seconds: float, *,
             for what in cores_limits:
                 _log(f"{w} worker(s): benchmarks.limit {what} on {len(cores)} core(s) at once "
                      f"for {span:.0f} s")
-                steal0, t0 = _steal_s(), time.monotonic()
+                steal0, t0 = machine_steal_s(), time.monotonic()
                 together = _limits_on_cores(spec_path, cores, env, what, span)
                 run[f"{what}_on_w_cores_steal_cores"] = round(
-                    (_steal_s() - steal0) / (time.monotonic() - t0), 3)
+                    (machine_steal_s() - steal0) / (time.monotonic() - t0), 3)
                 run[f"{what}_on_w_cores_tokens_per_s"] = sum(x["tokens_per_s"] for x in together)
                 run[f"{what}_on_w_cores_passes"] = [x["passes_tokens_per_s"] for x in together]
             run["cores_limits_seconds"] = round(span, 1)

@@ -224,6 +224,7 @@ def test_busy_between_takes_the_cpu_of_the_samples_inside_the_window():
     assert b["cores"] == {"host": 0.175, "workers": 0.875}  # process 3 began inside: left out
     assert b["workers"] == [0.875]
     assert busy_between(series, 2.0, 4.0) is None  # one sample inside
+    assert busy_between(series, 0.5, 3.0, min_s=2.5) is None  # samples 2 s apart
 
 
 def test_worker_sweep_leaves_one_cpu_to_the_host():
