@@ -93,6 +93,8 @@ def _run_point(workers: int, steps: int, config_path: str, env: dict[str, str]
         out["rows_per_s_per_worker"] = {"min": by_worker[0], "max": by_worker[-1],
                                         "mean": sum(by_worker) / len(by_worker)}
     out["wall_s"] = r.wall_s
+    # The work after the first batch, in seconds.
+    span = out["span_s"] = s["tokens"] / s["tokens_per_s"] if s.get("tokens_per_s") else 0.0
     m = r.memory or {}
     if "cpu_s" in m:
         wall = m["wall_s"]
@@ -103,7 +105,6 @@ def _run_point(workers: int, steps: int, config_path: str, env: dict[str, str]
         # The cores each process kept busy in the run's steady part (from a fifth into the
         # span after the first batch to its end): a worker near 1 bounds the rate, well below
         # 1 waits on something else.
-        span = s["tokens"] / s["tokens_per_s"] if s.get("tokens_per_s") else 0.0
         first = s.get("startup_s")
         if span and first and m.get("cpu_series"):
             out["steady_busy"] = busy_between(m["cpu_series"], first + 0.2 * span,
@@ -160,8 +161,7 @@ def sweep(config: str | None, points: list[int], seconds: float, *,
             cores = sorted(os.sched_getaffinity(0))[:w]
             # As long as the run's work after its first batch: a core's rate over a second
             # (the best of a few short passes) is above the rate it keeps up for longer.
-            span = (run["tokens"] / run["tokens_per_s"]) if run.get("tokens_per_s") else seconds
-            span = min(max(span, 3.0), 4 * seconds)
+            span = min(max(run.get("span_s") or seconds, 3.0), 4 * seconds)
             for what in cores_limits:
                 _log(f"{w} worker(s): benchmarks.limit {what} on {len(cores)} core(s) at once "
                      f"for {span:.0f} s")
