@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,11 +57,21 @@ class Handoff:
 
     def get(self, timeout_s: float) -> Any:
         """The next item; raises ``queue.Empty`` after ``timeout_s``."""
-        if not self._items:
+        deadline = None
+        while not self._items:
+            if deadline is None:
+                deadline = time.monotonic() + timeout_s
             self._ready.clear()
             # put_now appends before it sets: an item added since the check above is seen
-            # here, or sets the event after the clear.
-            if not self._items and not self._ready.wait(timeout_s):
+            # here, or sets the event after the clear. A set can also come late, for an item
+            # this consumer already took (the producer paused between its append and its
+            # set), so a wake-up is checked against the deque, never trusted alone.
+            if self._items:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._ready.wait(left):
+                if self._items:
+                    break
                 raise queue.Empty
         return self._items.popleft()
 

@@ -666,6 +666,36 @@ def test_handoff_holds_at_most_its_size_keeps_order_and_stops():
     assert put[-1] is False and [h.get(timeout_s=1), h.get(timeout_s=1)] == [0, 1]
 
 
+def test_a_late_wake_up_for_a_batch_already_taken_is_not_taken_for_a_new_one():
+    """The producer appends, then sets the event. If it pauses between the two, the consumer
+    can take the batch by the fast path, clear the event in its next ``get``, and only then
+    see the late set: that ``get`` must go on waiting (and time out), not pop an empty deque."""
+    from jax_side.prefetch import Handoff
+
+    class LateSet(threading.Event):
+        """Sets itself right after the consumer's next clear: the producer's set for a batch
+        already taken, landing in the window between the clear and the wait."""
+        late = False
+
+        def clear(self):
+            super().clear()
+            if self.late:
+                self.late = False
+                self.set()
+
+    h = Handoff(2)
+    h._ready = LateSet()
+    h.put_now("step 1")
+    assert h.get(timeout_s=1) == "step 1"
+    h._ready.late = True
+    with pytest.raises(queue.Empty):
+        h.get(timeout_s=0.05)
+    # ... and a batch that comes while it waits is handed over.
+    h._ready.late = True
+    threading.Timer(0.05, h.put_now, args=("step 2",)).start()
+    assert h.get(timeout_s=10) == "step 2"
+
+
 @pytest.mark.ray
 def test_stats_report_the_live_worker_count_after_the_pool_resizes_itself(
         ray_cluster, config, plan, sharding_1d, reference):
