@@ -38,14 +38,15 @@ import importlib.util
 import itertools
 import logging
 import random
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from ingest.cache import cached_by_files
 
 __all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
-           "adversarial_texts", "checked", "load_encoder", "load_joined_encoder",
+           "adversarial_texts", "checked", "int32_ids", "load_encoder", "load_joined_encoder",
            "long_piece_possible", "probe_texts", "self_check"]
 
 log = logging.getLogger("ingest.tokenize")
@@ -76,6 +77,13 @@ _ASCII_WS = b"\t\n\x0b\x0c\r "  # the regex's \s below 128 (str.isspace adds \x1
 _WS_MARK = bytes(int(b in _ASCII_WS) for b in range(128)) + b"\0" * 128
 _TEXT_MARK = bytes(int(b in _ASCII_WS) for b in range(128)) + b"\1" * 128
 _NOT_WS_RUN, _WS_RUN = b"\0" * _RUN_BYTES, b"\1" * _RUN_BYTES
+
+
+def int32_ids(ids: Iterable[int], count: int) -> np.ndarray:
+    """``count`` ids, a backend's Python ints, as int32. The backends return lists; struct
+    packs them in about two thirds of numpy's time (a list of 840k GPT-2 ids: 22 against 35
+    ns an id, next to riptoken's 177 for encoding them)."""
+    return np.frombuffer(struct.pack(f"{count}i", *ids), dtype=np.int32)
 
 
 def long_piece_possible(text: str) -> bool:
@@ -159,7 +167,8 @@ class _GuardedRiptoken:
         return np.concatenate(out)
 
     def _riptoken(self, text: str, allowed: frozenset) -> np.ndarray:
-        return np.array(self._fast.encode(text, allowed), dtype=np.int32)
+        ids = self._fast.encode(text, allowed)
+        return int32_ids(ids, len(ids))
 
 
 class FastBPETokenizer:
@@ -190,7 +199,7 @@ class FastBPETokenizer:
             return self.reference.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(self._ids(t), dtype=np.int32) for t in texts]
+        return [int32_ids(ids, len(ids)) for ids in map(self._ids, texts)]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if self._encode_joined is not None and texts:
@@ -204,9 +213,9 @@ class FastBPETokenizer:
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         # One pass in C over every document's ids, each followed by the EOS id.
         eos = (self.reference.eos_id,)
-        tokens = np.fromiter(itertools.chain.from_iterable(
+        tokens = int32_ids(itertools.chain.from_iterable(
             itertools.chain.from_iterable(zip(ids, itertools.repeat(eos)))),
-            dtype=np.int32, count=int(lengths.sum()) + len(ids))
+            int(lengths.sum()) + len(ids))
         return tokens, np.cumsum(lengths + 1) - 1
 
 
