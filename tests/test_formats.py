@@ -17,6 +17,7 @@ import pytest
 from ingest import BadInputError, Stream, build_plan, jsonl, paths, sources
 from ingest import plan as plan_module
 from ingest.columns import decode_texts
+from ingest.errors import BAD_REASONS
 from ingest.sources import describe_file, read_texts
 from tests.helpers import (
     all_streams,
@@ -289,3 +290,23 @@ def test_long_planning_logs_its_progress(tmp_path, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planning:")]
     assert "read the metadata of 1 of 5 files" in lines[0], lines
     assert "read the metadata of 5 files in" in lines[-1], lines
+
+
+@pytest.mark.parametrize("kind", ["string", "large_string", "binary", "large_binary"])
+def test_decode_texts_codes_every_row_of_any_slice_as_its_value_says(kind):
+    """Null, empty and (binary) invalid UTF-8 rows get their reason, the others their text,
+    in arrays of both offset widths and slices of them (an offset into the buffers)."""
+    rng = random.Random(kind)
+    values = [None, "", "x", "héllo wörld", "a\nb"] + ([b"\xff\xfe"] if "binary" in kind else [])
+    reasons = {None: "null_text", "": "empty_text", b"\xff\xfe": "invalid_utf8"}
+    for _ in range(60):
+        rows = [rng.choice(values) for _ in range(rng.randint(0, 40))]
+        raw = [v.encode() if isinstance(v, str) and "binary" in kind else v for v in rows]
+        arr = pa.array(raw, getattr(pa, kind)())
+        a = rng.randint(0, len(rows))
+        b = rng.randint(a, len(rows))
+        texts, codes = decode_texts(arr.slice(a, b - a))
+        want = [BAD_REASONS.index(reasons[v]) if v in reasons else 0 for v in rows[a:b]]
+        assert codes.tolist() == want, (kind, rows, a, b)
+        assert [t for t, c in zip(texts, codes, strict=True) if c == 0] == \
+            [v for v, c in zip(rows[a:b], want, strict=True) if c == 0]
