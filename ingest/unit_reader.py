@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from ingest.columns import decode_texts, numpy_view
 from ingest.config import Config
 from ingest.errors import BAD_REASONS, BadInputError
-from ingest.plan import deal_units, philox
+from ingest.plan import deal_units, permutation
 from ingest.sources import position, read_texts
 from ingest.tokenize import Tokenizer, bos_id_of, docs_of, with_bos, with_eos
 from ingest.units import UnitPlan
@@ -82,7 +82,7 @@ class UnitReader:
         """The reading order of unit ``uid``'s rows in ``epoch``."""
         n = self.plan.units[uid].num_rows
         if self.config.shuffle:
-            return philox(self.config.seed, epoch, uid, 0xD0C).permutation(n)
+            return permutation(n, self.config.seed, epoch, uid, 0xD0C)
         return np.arange(n)
 
     def read(self, epoch: int, pos: int, first_doc: int,

@@ -1,12 +1,14 @@
 """The unit plan's columns: cutting row groups into units, dealing them, carrying them."""
 
 import heapq
+import random
+import threading
 import pickle
 
 import numpy as np
 import pytest
 
-from ingest.plan import Unit, UnitPlan, Units, _cut_units, deal_units, philox
+from ingest.plan import Unit, UnitPlan, Units, _cut_units, deal_units, permutation, philox
 from ingest.sources import FileInfo
 
 
@@ -114,3 +116,26 @@ def test_units_read_like_a_tuple_of_units_and_pickle_as_six_buffers():
     Units(source=source, file=[0] * 3, group=[0] * 3, row_start=[0] * 3, row_end=[1] * 3,
           nbytes=[1] * 3)
     source[0] = 1  # the caller's array is copied, not frozen
+
+
+def test_permutation_is_philox_s_for_every_key_on_every_thread():
+    """Units' reading orders and deals come from ``permutation``, one generator per thread set
+    to each key's start: the draws of a fresh ``philox(*key)``, whatever was drawn before and
+    on other threads at the same time."""
+    def check(seed: int, errors: list) -> None:
+        rng = random.Random(seed)
+        for _ in range(400):
+            key = [rng.randrange(2 ** 40) for _ in range(rng.randint(1, 5))]
+            n = rng.choice([0, 1, 2, rng.randint(3, 5000)])
+            if not np.array_equal(permutation(n, *key), philox(*key).permutation(n)):
+                errors.append((key, n))
+
+    errors: list = []
+    threads = [threading.Thread(target=check, args=(s, errors)) for s in range(4)]
+    for t in threads:
+        t.start()
+    check(99, errors)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a checking thread did not finish in 60 s"
+    assert not errors, errors[:3]
