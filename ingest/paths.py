@@ -40,7 +40,7 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     (``hf``, ``az``, ``memory``...) through fsspec, bridged into Arrow.
     """
     if "://" not in path:
-        return pafs.LocalFileSystem(), os.path.abspath(path)
+        return _local(), os.path.abspath(path)
     scheme, rest = path.split("://", 1)
     if scheme in _ARROW_SCHEMES:
         if scheme in ("s3", "gs", "gcs") and not _QUERY.search(rest):
@@ -53,6 +53,13 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
             pass  # this Arrow build lacks the filesystem: fsspec may have it
     fs, local = _fsspec(path, scheme)
     return _bridged(fs), local
+
+
+@functools.cache
+def _local() -> pafs.LocalFileSystem:
+    # One for the process (Arrow's filesystems are thread-safe): making one is 5 us, on the
+    # path of every unit read.
+    return pafs.LocalFileSystem()
 
 
 _QUERY = re.compile(r"\?[\w.-]+=")
