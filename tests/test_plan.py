@@ -1,9 +1,9 @@
 """The unit plan's columns: cutting row groups into units, dealing them, carrying them."""
 
 import heapq
+import pickle
 import random
 import threading
-import pickle
 
 import numpy as np
 import pytest
