@@ -229,7 +229,8 @@ class TreeSampler:
                                      "bound_to_cpu": c}
                                     for u, sy, mt, f, v, i, c in self._worker_detail.values()),
                                    key=lambda d: -(d["user_s"] + d["system_s"]))}
-        out["cpu_series"] = [[round(t, 3), {str(pid): [g, round(c, 3)] for pid, (g, c) in d.items()}]
+        out["cpu_series"] = [[round(t, 3), {str(pid): [g, round(c, 3)]
+                                            for pid, (g, c) in d.items()}]
                              for t, d in self._series]
         for g, p in self._peaks.items():
             out[g] = {"peak_bytes": p.sum_bytes, "max_process_bytes": p.max_process_bytes,

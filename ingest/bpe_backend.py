@@ -46,8 +46,8 @@ import numpy as np
 from ingest.cache import cached_by_files
 
 __all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
-           "adversarial_texts", "checked", "int32_ids", "load_encoder", "load_joined_encoder",
-           "long_piece_possible", "probe_texts", "self_check"]
+           "adversarial_texts", "checked", "int32_ids", "lists_with_eos", "load_encoder",
+           "load_joined_encoder", "long_piece_possible", "probe_texts", "self_check"]
 
 log = logging.getLogger("ingest.tokenize")
 
@@ -84,6 +84,16 @@ def int32_ids(ids: Iterable[int], count: int) -> np.ndarray:
     packs them in about two thirds of numpy's time (a list of 840k GPT-2 ids: 22 against 35
     ns an id, next to riptoken's 177 for encoding them)."""
     return np.frombuffer(struct.pack(f"{count}i", *ids), dtype=np.int32)
+
+
+def lists_with_eos(ids: list[Sequence[int]], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's ids followed by ``eos_id``, back to back, and the index of each EOS
+    (``Tokenizer.encode_docs``), from the id lists a library returns, in one pass in C."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    tokens = int32_ids(itertools.chain.from_iterable(
+        itertools.chain.from_iterable(zip(ids, itertools.repeat((eos_id,))))),
+        int(lengths.sum()) + len(ids))
+    return tokens, np.cumsum(lengths + 1) - 1
 
 
 def long_piece_possible(text: str) -> bool:
@@ -209,14 +219,7 @@ class FastBPETokenizer:
                 joined = None
             if joined is not None:
                 return joined
-        ids = [self._ids(t) for t in texts]
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        # One pass in C over every document's ids, each followed by the EOS id.
-        eos = (self.reference.eos_id,)
-        tokens = int32_ids(itertools.chain.from_iterable(
-            itertools.chain.from_iterable(zip(ids, itertools.repeat(eos)))),
-            int(lengths.sum()) + len(ids))
-        return tokens, np.cumsum(lengths + 1) - 1
+        return lists_with_eos([self._ids(t) for t in texts], self.reference.eos_id)
 
 
 def self_check(reference, encode: Callable[[str], Sequence[int]],

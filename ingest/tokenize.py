@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ingest.bpe_backend import accelerate
+from ingest.bpe_backend import accelerate, lists_with_eos
 from ingest.cache import cached_by_files
 from ingest.vocab_files import GPT2_PATTERN, hf_folder_files, tiktoken_file_encoding
 
@@ -232,13 +232,8 @@ class HFTokenizer:
         return [np.asarray(e.ids, dtype=np.int32) for e in out]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        eos = (self.eos_id,)
-        tokens = np.fromiter(itertools.chain.from_iterable(
-            itertools.chain.from_iterable(zip(ids, itertools.repeat(eos)))),
-            dtype=np.int32, count=int(lengths.sum()) + len(ids))
-        return tokens, np.cumsum(lengths + 1) - 1
+        return lists_with_eos([e.ids for e in self._tok.encode_batch_fast(
+            texts, add_special_tokens=False)], self.eos_id)
 
 
 def _gpt2() -> TiktokenTokenizer:
