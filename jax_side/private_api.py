@@ -1,18 +1,20 @@
 """The one place the feed uses private JAX and Ray APIs, each with a fallback.
 
 ``put_arrays`` puts host arrays on a sharding through JAX's batched host-to-device transfer
-(``jax._src.lib.xla_client.batched_device_put``), the call that ``jax.device_put`` ends in.
-What ``jax.device_put`` works out again on every call (the abstract value, the devices, each
-device's slice of the array) depends only on the shape, dtype and sharding, so ``put_arrays``
-takes it once per such triple from one ``jax.device_put`` and keeps it. For the six
-``[32, 1024]`` int32 fields of a batch on 1 CPU device this took 75 us of CPU against 245 us
-through ``pxla.shard_args`` and 600 us through ``jax.device_put``, whose pytree, abstraction
-and primitive-bind layers are Python run on every call; the feed makes one such call per
-batch, on the thread that assembles batches. The copy semantics are ``jax.device_put``'s
-default (may alias the numpy buffer, no donation), and tests/test_feed.py checks that both
-give the same arrays: type, abstract value, sharding, committed flag, shards and values.
-Arrays whose dtype JAX would convert (int64 without x64) go through ``jax.device_put``, and
-so does a shape whose first fast array differs from ``jax.device_put``'s (with a warning).
+(``jax._src.lib.xla_client.batched_device_put``), the call that ``jax.device_put`` and
+``jax.make_array_from_process_local_data`` end in. What those work out again on every call
+(the abstract value, the devices, each device's slice of the array) depends only on the
+shapes, dtype and sharding, so ``put_arrays`` takes it once per such key from one public call,
+checks its own first array against that call's, and keeps it. For the six ``[32, 1024]`` int32
+fields of a batch on 1 CPU device this took 75 us of CPU against 245 us through
+``pxla.shard_args``, 600 us through ``jax.device_put`` and 1.1 ms through
+``make_array_from_process_local_data`` (1.5 ms on 8 devices), whose pytree, abstraction and
+primitive-bind layers are Python run on every call; the feed makes one such call per batch,
+on the thread that assembles batches. The copy semantics are the public calls' (may alias the
+numpy buffer, no donation), and tests/test_feed.py and tests/test_multihost.py check that both
+give the same arrays: type, abstract value, sharding, committed flag, shards and values. Arrays
+whose dtype JAX would convert (int64 without x64) go through the public call, and so does a
+key whose first fast array differs from the public call's (with a warning).
 
 When this JAX lacks the private function, or its signature differs (a ``TypeError`` on the
 first call), ``put_arrays`` uses ``jax.device_put`` from then on.
@@ -46,7 +48,7 @@ __all__ = ["batched_transfer", "cluster_types", "coordination_client", "put_arra
 log = logging.getLogger(__name__)
 
 
-def _find_batched_put() -> Callable[[list[np.ndarray], Sharding], list[jax.Array]] | None:
+def _find_batched_put() -> Callable[..., list[jax.Array]] | None:
     """JAX's batched host-to-device transfer with its per-shape work kept, or None if this
     JAX has no such function."""
     try:
@@ -57,13 +59,12 @@ def _find_batched_put() -> Callable[[list[np.ndarray], Sharding], list[jax.Array
         return None
 
 
-def _planned_put(batched_device_put: Callable[..., jax.Array]
-                 ) -> Callable[[list[np.ndarray], Sharding], list[jax.Array]]:
+def _planned_put(batched_device_put: Callable[..., jax.Array]) -> Callable[..., list[jax.Array]]:
     """``put_arrays``' transfer through ``batched_device_put(aval, sharding, shards, devices,
     committed)``, with each shape's plan kept."""
-    # (shape, dtype, sharding) -> (abstract value, devices, each device's index into the
-    # array, None where each holds all of it), or None for a dtype JAX converts. A feed puts
-    # one shape on one sharding.
+    # (shape, dtype, sharding, global shape) -> (abstract value, devices, each device's index
+    # into the array, None where each holds all of it), or None where the public call is
+    # used. A feed puts one shape on one sharding.
     plans: dict[tuple, tuple | None] = {}
 
     def transfer(x: np.ndarray, sharding: Sharding, p: tuple) -> jax.Array:
@@ -71,37 +72,71 @@ def _planned_put(batched_device_put: Callable[..., jax.Array]
         shards = [x] * len(devices) if indices is None else [x[i] for i in indices]
         return batched_device_put(aval, sharding, shards, devices, True)
 
-    def plan(x: np.ndarray, sharding: Sharding) -> tuple | None:
-        # The abstract value as jax.device_put makes it (with the sharding's spec and memory
-        # space), from one public call, whose array the first fast one must equal.
-        ref = jax.device_put(x, sharding)
+    def plan(x: np.ndarray, sharding: Sharding, global_shape: tuple[int, ...] | None,
+             ref: jax.Array) -> tuple | None:
+        # The abstract value as the public call makes it (with the sharding's spec and memory
+        # space), and each device's slice of this process's rows as
+        # make_array_from_process_local_data finds it: along a dimension the process holds
+        # part of, its devices' slices in the order of their global starts.
         if ref.dtype != x.dtype:
             return None
-        where = sharding.addressable_devices_indices_map(x.shape)
+        shape = x.shape if global_shape is None else tuple(global_shape)
+        where = sharding.addressable_devices_indices_map(shape)
+        shard_shape = sharding.shard_shape(shape)
+        starts = [sorted({idx[d].start or 0 for idx in where.values()})
+                  for d in range(len(shape))]
+
+        def local(idx: tuple[slice, ...]) -> tuple[slice, ...]:
+            return tuple(
+                slc if x.shape[d] == shape[d] else
+                slice(starts[d].index(slc.start or 0) * shard_shape[d],
+                      (starts[d].index(slc.start or 0) + 1) * shard_shape[d])
+                for d, slc in enumerate(idx))
+
+        indices = tuple(local(idx) for idx in where.values())
         whole = (slice(None),) * x.ndim
-        indices = None if all(i == whole for i in where.values()) else tuple(where.values())
-        p = ref.aval, list(where), indices
-        fast = transfer(x, sharding, p)
-        if (fast.aval != ref.aval or fast.sharding != ref.sharding
-                or not np.array_equal(np.asarray(fast), np.asarray(ref))):
-            log.warning("jax's batched_device_put gave another array than jax.device_put "
-                        "for %s %s; using jax.device_put for it", x.dtype, x.shape)
+        p = (ref.aval, list(where),
+             None if x.shape == shape and all(i == whole for i in indices) else indices)
+        if not _same_array(transfer(x, sharding, p), ref):
+            log.warning("jax's batched_device_put gave another array than its public call "
+                        "for %s %s; using the public call for it", x.dtype, x.shape)
             return None
         return p
 
-    def put(arrays: list[np.ndarray], sharding: Sharding) -> list[jax.Array]:
+    def public(x: np.ndarray, sharding: Sharding,
+               global_shape: tuple[int, ...] | None) -> jax.Array:
+        if global_shape is None:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    def put(arrays: list[np.ndarray], sharding: Sharding,
+            global_shape: tuple[int, ...] | None = None) -> list[jax.Array]:
         out = []
         for x in arrays:
-            key = (x.shape, x.dtype, sharding)
-            if key not in plans:
+            key = (x.shape, x.dtype, sharding, global_shape)
+            p = plans.get(key, plans)
+            if p is plans:  # not planned yet: the public call, which the plan is checked on
                 if len(plans) >= 64:
                     plans.clear()
-                plans[key] = plan(x, sharding)
-            p = plans[key]
-            out.append(jax.device_put(x, sharding) if p is None else transfer(x, sharding, p))
+                ref = public(x, sharding, global_shape)
+                plans[key] = plan(x, sharding, global_shape, ref)
+                out.append(ref)
+            else:
+                out.append(public(x, sharding, global_shape) if p is None
+                           else transfer(x, sharding, p))
         return out
 
     return put
+
+
+def _same_array(a: jax.Array, b: jax.Array) -> bool:
+    """Same abstract value, sharding, and this process's shards (device, index, values)."""
+    if a.aval != b.aval or a.sharding != b.sharding:
+        return False
+    sa, sb = a.addressable_shards, b.addressable_shards
+    return len(sa) == len(sb) and all(
+        x.device == y.device and x.index == y.index
+        and np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(sa, sb, strict=True))
 
 
 _batched_put = _find_batched_put()
@@ -112,17 +147,22 @@ def batched_transfer() -> bool:
     return _batched_put is not None
 
 
-def put_arrays(arrays: Sequence[np.ndarray], sharding: Sharding) -> list[jax.Array]:
-    """Each of ``arrays`` (the whole of each, on this process) as a ``jax.Array`` on
-    ``sharding``: what ``jax.device_put(list(arrays), sharding)`` gives, faster."""
+def put_arrays(arrays: Sequence[np.ndarray], sharding: Sharding,
+               global_shape: tuple[int, ...] | None = None) -> list[jax.Array]:
+    """Each of ``arrays`` as a ``jax.Array`` on ``sharding``, faster than the public calls
+    it equals: ``jax.device_put(x, sharding)`` for each (each array whole, on this process),
+    or with ``global_shape``, ``jax.make_array_from_process_local_data(sharding, x,
+    global_shape)`` (each array this process's part of the global one)."""
     global _batched_put  # noqa: PLW0603 -- dropped once if this JAX's signature differs
     if _batched_put is not None:
         try:
-            return _batched_put(list(arrays), sharding)
+            return _batched_put(list(arrays), sharding, global_shape)
         except TypeError as e:  # another signature in another JAX: the public call from here on
-            log.warning("jax's batched_device_put failed (%s); using jax.device_put", e)
+            log.warning("jax's batched_device_put failed (%s); using its public call", e)
             _batched_put = None
-    return jax.device_put(list(arrays), sharding)
+    if global_shape is None:
+        return jax.device_put(list(arrays), sharding)
+    return [jax.make_array_from_process_local_data(sharding, x, global_shape) for x in arrays]
 
 
 def cluster_types() -> list[type]:

@@ -224,6 +224,65 @@ def _child_feed(spec: dict[str, Any], out: Path) -> None:
                                "backend": stats["backend"], "workers": stats["workers"]}))
 
 
+# -- the batched transfer on several processes ------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_batched_transfer_gives_the_arrays_make_array_from_process_local_data_gives(tmp_path):
+    """On 2 processes, ``put_arrays`` with a global shape against the public
+    ``jax.make_array_from_process_local_data``, on meshes whose data axis puts each process's
+    devices together, alternating, or beside a model axis, and a replicated sharding."""
+    procs = start_children("put", {}, tmp_path)
+    assert finish(procs, tmp_path, CHILD_TIMEOUT_S) == [0, 0], \
+        [stderr_of(tmp_path, i)[-3000:] for i in range(HOSTS)]
+    for i in range(HOSTS):
+        got = json.loads((tmp_path / f"out{i}.json").read_text())
+        assert got["checked"] == len(PUT_MESHES) * 2 * 3, got
+        assert got["differ"] == [] and got["batched"], got
+        assert "another array" not in stderr_of(tmp_path, i)
+
+
+# Device orders: each process's 4 devices together, alternating between the processes, and a
+# 2-d mesh whose model axis pairs devices of one process.
+PUT_MESHES = {"together": ((8,), ("data",), list(range(8))),
+              "alternating": ((8,), ("data",), [0, 4, 1, 5, 2, 6, 3, 7]),
+              "2d": ((4, 2), ("data", "model"), list(range(8)))}
+
+
+def _child_put(spec: dict[str, Any], out: Path) -> None:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jax_side import private_api
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    rng = np.random.default_rng(jax.process_index())
+    checked, differ = 0, []
+    for name, (shape, axes, order) in PUT_MESHES.items():
+        mesh = Mesh(np.array([devices[i] for i in order]).reshape(shape), axes)
+        for sharding, rows in ((batch_sharding(mesh, "data"), 4), (NamedSharding(mesh,
+                               PartitionSpec()), 8)):
+            gshape = (8, 16)
+            for _ in range(3):  # the first call plans, the next ones use the plan
+                local = [rng.integers(0, 50_000, (rows, 16), dtype=np.int32) for _ in range(6)]
+                if rows == 8:  # replicated: the same data on every process
+                    local = [np.full((8, 16), k, np.int32) for k in range(6)]
+                ours = private_api.put_arrays(local, sharding, gshape)
+                for x, a in zip(local, ours, strict=True):
+                    b = jax.make_array_from_process_local_data(sharding, x, gshape)
+                    same = (a.aval == b.aval and a.sharding == b.sharding and a._committed
+                            and [(s.device, s.index) for s in a.addressable_shards]
+                            == [(s.device, s.index) for s in b.addressable_shards]
+                            and all(np.array_equal(np.asarray(s.data), np.asarray(t.data))
+                                    for s, t in zip(a.addressable_shards,
+                                                    b.addressable_shards, strict=True)))
+                    if not same:
+                        differ.append(f"{name} {sharding.spec}")
+                checked += 1
+    out.write_text(json.dumps({"checked": checked, "differ": differ,
+                               "batched": private_api.batched_transfer()}))
+
+
 # -- a stream that would straddle two hosts is refused at start --------------------------------
 
 
@@ -609,7 +668,8 @@ def _child(argv: list[str]) -> None:
     mode, pid, port, spec, out = argv
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=HOSTS,
                                process_id=int(pid), initialization_timeout=CHILD_TIMEOUT_S)
-    {"feed": _child_feed, "steps": _child_steps}[mode](json.loads(spec), Path(out))
+    {"feed": _child_feed, "steps": _child_steps, "put": _child_put}[mode](json.loads(spec),
+                                                                          Path(out))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
