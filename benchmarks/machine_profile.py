@@ -8,9 +8,10 @@ Runs ``ingest run`` on the config (default: the demo) as ``ingest bench`` does, 
 ``--delay`` seconds after the workers appear (startup and every stream's first chunk), then
 samples every CPU with ``perf record -a`` for ``--seconds``. Each sample is put in one part:
 
-    tokenizer         the workers in the tokenizer's library (tiktoken's or HF tokenizers'),
-                      and in libc's memcmp, which tiktoken's BPE merges call for every hash
-                      lookup (about a tenth of the bare tokenizer's own samples)
+    tokenizer         the workers in the tokenizer's library (tiktoken's, HF tokenizers', or
+                      a faster exact backend's: riptoken, rs_bpe, bpe_openai), and in libc's
+                      memcmp, which the BPE merges call for every hash lookup (about a tenth of
+                      the bare tokenizer's own samples)
     worker_*          the workers' other time, by library: python, numpy, arrow (Arrow and
                       Parquet), libc (copies, malloc), kernel (page faults, system calls),
                       ray (Ray's core worker: storing chunks, its task loop), other
@@ -50,7 +51,9 @@ from benchmarks.measure import process_group
 __all__ = ["classify", "main", "split_samples", "top_symbols"]
 
 _LINE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s*\((.*)\)\s*$")
-_TOKENIZER_LIBS = ("_tiktoken", "tokenizers.")
+# Each tokenizer library's shared object, by its package directory and file name.
+_TOKENIZER_LIBS = ("tiktoken/_tiktoken", "tokenizers/tokenizers.", "riptoken/_riptoken",
+                   "rs_bpe/bpe.", "bpe_openai/_bindings")
 _WORKER_LIBS = (("python", ("libpython",)),
                 ("numpy", ("_multiarray", "numpy", "bit_generator", "_generator")),
                 ("arrow", ("libarrow", "libparquet", "pyarrow", "lib.cpython")),
@@ -64,7 +67,7 @@ def classify(role: str, dso: str, sym: str) -> str:
     if role != "worker":
         return role
     base = os.path.basename(dso)
-    if any(lib in base for lib in _TOKENIZER_LIBS) or sym.startswith("__memcmp"):
+    if any(lib in dso for lib in _TOKENIZER_LIBS) or sym.startswith("__memcmp"):
         return "tokenizer"
     for part, libs in _WORKER_LIBS:
         if any(base.startswith(lib) or lib in base for lib in libs):
