@@ -17,7 +17,7 @@ whose dtype JAX would convert (int64 without x64) go through the public call, an
 key whose first fast array differs from the public call's (with a warning).
 
 When this JAX lacks the private function, or its signature differs (a ``TypeError`` on the
-first call), ``put_arrays`` uses ``jax.device_put`` from then on.
+first call), ``put_arrays`` uses the public calls from then on.
 
 ``cluster_types`` lists the cluster environments ``jax.distributed.initialize()`` probes
 (``jax._src.clusters``), so that ``ingest run`` can tell whether it runs in one before joining;
@@ -80,7 +80,7 @@ def _planned_put(batched_device_put: Callable[..., jax.Array]) -> Callable[..., 
         # part of, its devices' slices in the order of their global starts.
         if ref.dtype != x.dtype:
             return None
-        shape = x.shape if global_shape is None else tuple(global_shape)
+        shape = x.shape if global_shape is None else global_shape
         where = sharding.addressable_devices_indices_map(shape)
         shard_shape = sharding.shard_shape(shape)
         starts = [sorted({idx[d].start or 0 for idx in where.values()})
@@ -111,6 +111,8 @@ def _planned_put(batched_device_put: Callable[..., jax.Array]) -> Callable[..., 
 
     def put(arrays: list[np.ndarray], sharding: Sharding,
             global_shape: tuple[int, ...] | None = None) -> list[jax.Array]:
+        if global_shape is not None:
+            global_shape = tuple(global_shape)
         out = []
         for x in arrays:
             key = (x.shape, x.dtype, sharding, global_shape)
@@ -136,14 +138,15 @@ def _same_array(a: jax.Array, b: jax.Array) -> bool:
     sa, sb = a.addressable_shards, b.addressable_shards
     return len(sa) == len(sb) and all(
         x.device == y.device and x.index == y.index
-        and np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(sa, sb, strict=True))
+        and np.array_equal(np.asarray(x.data), np.asarray(y.data))
+        for x, y in zip(sa, sb, strict=True))
 
 
 _batched_put = _find_batched_put()
 
 
 def batched_transfer() -> bool:
-    """Whether ``put_arrays`` uses JAX's private batched transfer (else ``jax.device_put``)."""
+    """Whether ``put_arrays`` uses JAX's private batched transfer (else the public calls)."""
     return _batched_put is not None
 
 
