@@ -86,17 +86,16 @@ def _planned_put(batched_device_put: Callable[..., jax.Array]) -> Callable[..., 
         starts = [sorted({idx[d].start or 0 for idx in where.values()})
                   for d in range(len(shape))]
 
-        def local(idx: tuple[slice, ...]) -> tuple[slice, ...]:
-            return tuple(
-                slc if x.shape[d] == shape[d] else
-                slice(starts[d].index(slc.start or 0) * shard_shape[d],
-                      (starts[d].index(slc.start or 0) + 1) * shard_shape[d])
-                for d, slc in enumerate(idx))
+        def local(d: int, slc: slice) -> slice:
+            if x.shape[d] == shape[d]:
+                return slc
+            k = starts[d].index(slc.start or 0)
+            return slice(k * shard_shape[d], (k + 1) * shard_shape[d])
 
-        indices = tuple(local(idx) for idx in where.values())
+        indices = tuple(tuple(local(d, slc) for d, slc in enumerate(idx))
+                        for idx in where.values())
         whole = (slice(None),) * x.ndim
-        p = (ref.aval, list(where),
-             None if x.shape == shape and all(i == whole for i in indices) else indices)
+        p = ref.aval, list(where), None if all(i == whole for i in indices) else indices
         if not _same_array(transfer(x, sharding, p), ref):
             log.warning("jax's batched_device_put gave another array than its public call "
                         "for %s %s; using the public call for it", x.dtype, x.shape)
