@@ -706,6 +706,36 @@ def test_handoff_holds_at_most_its_size_keeps_order_and_stops():
     assert put[-1] is False and [h.get(timeout_s=1), h.get(timeout_s=1)] == [0, 1]
 
 
+def test_a_producer_ahead_of_a_slow_consumer_polls_at_its_pace_even_after_a_pause():
+    """A producer waiting for room looks every eighth of the consumer's shortest recent time
+    between batches (1 - 20 ms), not every millisecond: at 40 ms a step, about 8 looks a step
+    instead of 40; a pause does not lengthen them."""
+    from jax_side.prefetch import Handoff
+
+    h, stop = Handoff(2), threading.Event()
+    t = threading.Thread(target=lambda: [h.put(i, stop) for i in range(100)], daemon=True)
+    t.start()
+    got = []
+    for _ in range(6):  # four gaps of 40 ms, then polls at 5 ms
+        got.append(h.get(timeout_s=10))
+        time.sleep(0.04)
+    assert h.poll_s() == pytest.approx(0.005, rel=0.5)
+    polls = h.polls
+    for _ in range(8):
+        got.append(h.get(timeout_s=10))
+        time.sleep(0.04)
+    per_step = (h.polls - polls) / 8
+    assert per_step <= 12, f"{per_step:.1f} looks for room a step of 40 ms (1 ms polls: 40)"
+    # A pause (a checkpoint) does not slow the looks that follow it: the consumer's next
+    # steps may be fast again.
+    time.sleep(0.3)
+    got.append(h.get(timeout_s=10))
+    assert h.poll_s() < 0.01
+    stop.set()
+    assert got == list(range(len(got)))
+
+
+
 def test_a_late_wake_up_for_a_batch_already_taken_is_not_taken_for_a_new_one():
     """The producer appends, then sets the event. If it pauses between the two, the consumer
     can take the batch by the fast path, clear the event in its next ``get``, and only then
