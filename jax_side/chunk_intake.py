@@ -52,18 +52,32 @@ class StreamCursor:
     chunk: Chunk | None = None
     taken: int = 0
     documents: int | None = None
+    # The current chunk's rows, and its documents counter by row as a list (read at every
+    # step's snapshot: a list item, not a numpy scalar from memory another process wrote).
+    rows: int = 0
+    chunk_documents: list[int] | None = None
+
+    def start(self, chunk: Chunk) -> None:
+        """Makes ``chunk`` the current chunk, none of its rows taken."""
+        self.chunk, self.taken, self.rows = chunk, 0, chunk.num_rows
+        self.chunk_documents = None if chunk.documents is None else chunk.documents.tolist()
+
+    def finish(self) -> None:
+        """Past the current chunk, all of it taken: its end state is the new base."""
+        self.base, self.extra, self.documents = self.chunk.state_after, 0, None
+        self.chunk, self.taken, self.rows, self.chunk_documents = None, 0, 0, None
 
     def passed(self) -> int:
         """The stream's documents counter after the rows taken (states are saved at chunk
         ends; chunks count documents by row)."""
-        if self.chunk is not None and self.taken and self.chunk.documents is not None:
-            return int(self.chunk.documents[self.taken - 1])
+        if self.taken and self.chunk_documents is not None:
+            return self.chunk_documents[self.taken - 1]
         if self.documents is not None:
             return self.documents
         return int((self.base or {}).get("documents", 0))
 
     def snapshot(self) -> dict[str, Any]:
-        if self.chunk is not None and self.taken == self.chunk.num_rows:
+        if self.chunk is not None and self.taken == self.rows:
             return {"state": self.chunk.state_after, "taken": 0, "documents": self.passed()}
         return {"state": self.base, "taken": self.extra + self.taken, "documents": self.passed()}
 
@@ -162,24 +176,21 @@ class ChunkIntake:
 
     def rows_in_hand(self) -> list[int]:
         """Rows of each stream's current chunk not taken yet."""
-        return [c.chunk.num_rows - c.taken if c.chunk is not None else 0
-                for c in self.cursors.values()]
+        return [c.rows - c.taken for c in self.cursors.values()]
 
     def take(self, s: int, out: np.ndarray, row0: int, k: int) -> int:
         """Copies up to k rows of stream s into ``out[:, row0:]``; returns rows copied."""
         c = self.cursors[s]
         filled = 0
         while filled < k:
-            if c.chunk is not None and c.taken == c.chunk.num_rows:
+            if c.chunk is not None and c.taken == c.rows:
                 if c.chunk.exhausted:
                     break
-                c.base, c.extra, c.chunk, c.taken = c.chunk.state_after, 0, None, 0
-                c.documents = None
+                c.finish()
             if c.chunk is None:
-                c.chunk = self.source.next_chunk(s)
-                c.taken = 0
+                c.start(self.source.next_chunk(s))
                 continue
-            n = min(k - filled, c.chunk.num_rows - c.taken)
+            n = min(k - filled, c.rows - c.taken)
             out[:, row0 + filled:row0 + filled + n] = c.chunk.fields[:, c.taken:c.taken + n]
             c.taken += n
             filled += n
