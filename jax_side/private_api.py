@@ -102,12 +102,6 @@ def _planned_put(batched_device_put: Callable[..., jax.Array]) -> Callable[..., 
             return None
         return p
 
-    def public(x: np.ndarray, sharding: Sharding,
-               global_shape: tuple[int, ...] | None) -> jax.Array:
-        if global_shape is None:
-            return jax.device_put(x, sharding)
-        return jax.make_array_from_process_local_data(sharding, x, global_shape)
-
     def put(arrays: list[np.ndarray], sharding: Sharding,
             global_shape: tuple[int, ...] | None = None) -> list[jax.Array]:
         if global_shape is not None:
@@ -119,15 +113,23 @@ def _planned_put(batched_device_put: Callable[..., jax.Array]) -> Callable[..., 
             if p is plans:  # not planned yet: the public call, which the plan is checked on
                 if len(plans) >= 64:
                     plans.clear()
-                ref = public(x, sharding, global_shape)
+                ref = _public_put(x, sharding, global_shape)
                 plans[key] = plan(x, sharding, global_shape, ref)
                 out.append(ref)
             else:
-                out.append(public(x, sharding, global_shape) if p is None
+                out.append(_public_put(x, sharding, global_shape) if p is None
                            else transfer(x, sharding, p))
         return out
 
     return put
+
+
+def _public_put(x: np.ndarray, sharding: Sharding,
+                global_shape: tuple[int, ...] | None) -> jax.Array:
+    """The public call ``put_arrays`` equals for one array."""
+    if global_shape is None:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
 
 def _same_array(a: jax.Array, b: jax.Array) -> bool:
@@ -162,9 +164,7 @@ def put_arrays(arrays: Sequence[np.ndarray], sharding: Sharding,
         except TypeError as e:  # another signature in another JAX: the public call from here on
             log.warning("jax's batched_device_put failed (%s); using its public call", e)
             _batched_put = None
-    if global_shape is None:
-        return jax.device_put(list(arrays), sharding)
-    return [jax.make_array_from_process_local_data(sharding, x, global_shape) for x in arrays]
+    return [_public_put(x, sharding, global_shape) for x in arrays]
 
 
 def cluster_types() -> list[type]:
