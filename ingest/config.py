@@ -32,11 +32,15 @@ __all__ = ["AUTO_FIELDS", "Config", "ConfigError", "SourceConfig", "check_memory
 
 log = logging.getLogger("ingest.config")
 
-# The rule for runtime knobs left null. A chunk holds about CHUNK_TOKENS tokens (128 rows of
-# 1024): Ray's raylet and the host spend a fixed cost per chunk, which larger chunks spread over
-# more tokens. AUTO_PREFETCH requests in flight per stream keep a consumer from waiting at the
-# step where every stream finishes its chunk. Without object_store_budget_mb, chunks are sized
-# to keep num_streams x (prefetch + 1) chunks within AUTO_BUDGET_MB.
+# The rule for runtime knobs left null. One actor call makes about CALL_TOKENS tokens, split
+# over the streams it serves (``streams_per_call``), and each chunk at least CHUNK_TOKENS (128
+# rows of 1024): a worker, Ray's raylet and the host spend a fixed cost per call and per chunk,
+# which larger ones spread over more tokens, while a worker's first call, which the first batch
+# waits for, stays as long whatever the number of workers. AUTO_PREFETCH requests in flight per
+# stream keep a consumer from waiting at the step where every stream finishes its chunk.
+# Without object_store_budget_mb, chunks are sized to keep num_streams x (prefetch + 1) chunks
+# within AUTO_BUDGET_MB.
+CALL_TOKENS = 1 << 20
 CHUNK_TOKENS = 1 << 17
 AUTO_PREFETCH = 2
 AUTO_BUDGET_MB = 1024
@@ -97,9 +101,12 @@ class Config:
         ``rs_bpe`` or ``bpe_openai`` (cl100k only; see ``ingest.bpe_backend``). The ids, and
         so the batches, are the same with every backend. Runtime only.
       workers: Ray worker actors (one CPU each). Runtime only.
-      chunk_rows: rows per stream per actor call. Null (default): about 128k tokens
-        (``131072 // seq_len`` rows, at least 1), fewer where ``num_streams x (prefetch + 1)``
-        chunks would exceed ``object_store_budget_mb`` (1024 MB without one). Runtime only.
+      chunk_rows: rows per stream per actor call. Null (default): about 1M tokens a call
+        over its ``streams_per_call`` streams, at least 128k tokens a chunk
+        (``max(131072, 1048576 // streams_per_call) // seq_len`` rows, at least 1), fewer where
+        ``num_streams x (prefetch + 1)`` chunks would exceed ``object_store_budget_mb`` (1024
+        MB without one). Where this process makes the chunks itself (the local backend), an
+        automatic value keeps to 128k tokens (``in_process_chunk_rows``). Runtime only.
       streams_per_call: streams of one worker whose next chunks one actor call makes and
         returns as one object (fewer calls and objects; the chunks are the same). Null
         (default): a worker's share of the host's streams. Runtime only.
@@ -168,13 +175,19 @@ class Config:
             object.__setattr__(self, "prefetch", AUTO_PREFETCH)
             auto["prefetch"] = "auto: two requests in flight per stream"
         if self.chunk_rows is None:
-            target = max(1, CHUNK_TOKENS // self.seq_len)
+            # The streams one call serves: the value given (capped at a worker's share) or the
+            # share itself.
+            share = streams_per_call_for(self.num_streams, self.workers, self.streams_per_call)
+            tokens = max(CHUNK_TOKENS, CALL_TOKENS // share)
+            target = max(1, tokens // self.seq_len)
             budget = (self.object_store_budget_mb if self.object_store_budget_mb is not None
                       else AUTO_BUDGET_MB)
             row_bytes = 6 * 4 * self.seq_len
             fit = int(budget * 2**20 // (self.num_streams * (self.prefetch + 1) * row_bytes))
             rows = max(1, min(target, fit))
-            why = f"{CHUNK_TOKENS} tokens // seq_len {self.seq_len}"
+            why = (f"{CALL_TOKENS} tokens a call // streams_per_call {share} // seq_len "
+                   f"{self.seq_len}" if tokens > CHUNK_TOKENS
+                   else f"{CHUNK_TOKENS} tokens // seq_len {self.seq_len}")
             if fit < target:
                 why = (f"{budget:g} MB budget / (num_streams {self.num_streams} x "
                        f"(prefetch {self.prefetch} + 1) x {row_bytes} bytes a row)")
@@ -210,6 +223,16 @@ class Config:
         ``streams_per_call_for`` with the value given, or none where it was left null."""
         given = None if self.is_auto("streams_per_call") else self.streams_per_call
         return streams_per_call_for(owned_streams, workers, given)
+
+    @property
+    def in_process_chunk_rows(self) -> int:
+        """Rows per chunk where this process makes a stream's chunks itself (the local
+        backend): there is no call to spread a cost over, and the first batch waits for every
+        stream's first chunk, so an automatic ``chunk_rows`` keeps to about 128k tokens. An
+        explicit one is kept as given."""
+        if not self.is_auto("chunk_rows"):
+            return self.chunk_rows
+        return min(self.chunk_rows, max(1, CHUNK_TOKENS // self.seq_len))
 
     @property
     def chunk_bytes(self) -> int:

@@ -18,7 +18,7 @@ class LocalSource:
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
                  rows: int | None = None):
         self._config = config
-        self._rows = rows or config.chunk_rows  # rows per chunk
+        self._rows = rows or config.in_process_chunk_rows  # rows per chunk
         self._streams = {s: open_stream(config, plan, s) for s in stream_ids}
         self.num_workers = 0
         self.wait_s = 0.0

@@ -19,10 +19,12 @@ import pytest
 from helpers import make_texts
 
 from ingest import BatchDigest, Config, SourceConfig
-from ingest.config import AUTO_BUDGET_MB, CHUNK_TOKENS, load_config
+from ingest.config import AUTO_BUDGET_MB, CALL_TOKENS, CHUNK_TOKENS, load_config
 from ingest.demo import demo_config
 from ingest.errors import ConfigError
+from ingest.plan import build_plan
 from jax_side import HostFeed, batch_sharding
+from jax_side.local_source import LocalSource
 
 DEADLINE_S = 120.0
 OLD_DEFAULTS = {"chunk_rows": 16, "streams_per_call": 1, "prefetch": 2}
@@ -34,23 +36,29 @@ def cfg(**kw) -> Config:
 
 def rule(seq_len: int, num_streams: int, workers: int, budget_mb: float | None,
          prefetch: int = 2) -> tuple[int, int, int]:
-    """The documented rule, written out independently of the config's code."""
+    """The documented rule, written out independently of the config's code: about 1M tokens a
+    call over a worker's share of the streams, at least 128k a chunk, within the budget."""
+    share = max(1, num_streams // workers)
     row_bytes = 24 * seq_len
     budget = (budget_mb if budget_mb is not None else AUTO_BUDGET_MB) * 2**20
-    rows = min(CHUNK_TOKENS // seq_len, math.floor(budget / (num_streams * (prefetch + 1)
-                                                             * row_bytes)))
-    return max(1, rows), max(1, num_streams // workers), prefetch
+    tokens = max(CHUNK_TOKENS, CALL_TOKENS // share)
+    rows = min(tokens // seq_len, math.floor(budget / (num_streams * (prefetch + 1)
+                                                       * row_bytes)))
+    return max(1, rows), share, prefetch
 
 
 @pytest.mark.parametrize(("seq_len", "num_streams", "workers", "budget_mb"), [
-    (1024, 8, 2, None),      # the measured case: 128 rows, 4 streams a call
-    (4096, 8, 4, None),      # longer rows: fewer of them (32)
-    (64, 4, 3, None),        # short rows: 2048 rows; share rounded down, as the pool does (1)
+    (1024, 8, 2, None),      # the default config: 256 rows, 4 streams a call
+    (1024, 16, 2, None),     # the demo on 2 CPUs: 128 rows, 8 streams a call
+    (1024, 16, 8, None),     # 8 workers: 512 rows, 2 streams a call
+    (1024, 16, 16, None),    # a stream a worker: the default budget bounds the chunk (910)
+    (4096, 8, 4, None),      # longer rows: fewer of them (128)
+    (64, 4, 3, None),        # short rows: 16384 rows; share rounded down, as the pool does (1)
     (1024, 4, 8, None),      # more workers than streams: one stream a call
     (200_000, 8, 2, None),   # rows longer than the token target: one row
     (4096, 256, 2, None),    # many streams: the default budget bounds the chunk (14 rows)
     (1024, 8, 2, 24),        # an explicit budget bounds it (8 x 3 x 24 KiB a row: 42 rows)
-    (1024, 16, 16, 4096),    # a budget above what the target needs: 128 rows, 1 a call
+    (1024, 16, 16, 4096),    # a budget above what the target needs: 1024 rows, 1 a call
 ])
 def test_auto_knobs_follow_the_rule(seq_len, num_streams, workers, budget_mb):
     c = cfg(seq_len=seq_len, num_streams=num_streams, global_batch_size=num_streams * 2,
@@ -62,11 +70,28 @@ def test_auto_knobs_follow_the_rule(seq_len, num_streams, workers, budget_mb):
     bound = num_streams * (c.requests_in_flight(num_streams) + 1) * c.chunk_bytes
     assert c.chunk_rows == 1 or bound <= (budget_mb or AUTO_BUDGET_MB) * 2**20
     assert f"chunk_rows={want[0]} (auto: " in c.runtime_choices()
+    # Made in this process (the local backend), a chunk keeps to the 128k-token floor.
+    assert c.in_process_chunk_rows == min(c.chunk_rows, max(1, CHUNK_TOKENS // seq_len))
+
+
+def test_a_call_makes_the_same_tokens_whatever_the_workers():
+    """A worker's call (its streams' chunks together) is about 1M tokens from 1 to 8 streams a
+    call, so its first call, which the first batch waits for, is as long on 16 workers as on
+    2; within the default budget the chunks of 16 streams stay under 1 GiB."""
+    for workers in (2, 4, 8, 16):
+        c = cfg(num_streams=16, global_batch_size=32, workers=workers)
+        call_tokens = c.chunk_rows * c.streams_per_call * c.seq_len
+        assert 0.85 * CALL_TOKENS <= call_tokens <= CALL_TOKENS, (workers, c.runtime_choices())
+        assert 16 * (c.prefetch + 1) * c.chunk_bytes <= AUTO_BUDGET_MB * 2**20
+    # An explicit streams_per_call sizes the chunks by itself; an explicit chunk_rows wins.
+    assert cfg(streams_per_call=1).chunk_rows == CALL_TOKENS // 1024
+    assert cfg(streams_per_call=1, chunk_rows=64).chunk_rows == 64
+    assert cfg(chunk_rows=300).in_process_chunk_rows == 300
 
 
 def test_measured_setting_is_the_default():
     c = cfg()  # seq_len 1024, batch 32, 8 streams, 2 workers
-    assert (c.chunk_rows, c.streams_per_call, c.prefetch) == (128, 4, 2)
+    assert (c.chunk_rows, c.streams_per_call, c.prefetch) == (256, 4, 2)
 
 
 def test_demo_uses_the_automatic_knobs_which_match_its_measured_settings():
@@ -87,7 +112,7 @@ def test_explicit_values_win_and_survive_replace():
     assert (r.chunk_rows, r.streams_per_call, r.prefetch) == (16, 1, 3)
     # Auto values follow the fields they come from through replace; a value set there wins.
     a = cfg().replace(seq_len=2048, workers=8)
-    assert (a.chunk_rows, a.streams_per_call) == (64, 1) and a.is_auto("chunk_rows")
+    assert (a.chunk_rows, a.streams_per_call) == (512, 1) and a.is_auto("chunk_rows")
     b = cfg().replace(chunk_rows=5)
     assert b.chunk_rows == 5 and not b.is_auto("chunk_rows") and b.is_auto("prefetch")
 
@@ -96,7 +121,7 @@ def test_yaml_null_and_absent_are_auto_and_bad_values_are_named(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("sources: [{paths: [x.parquet]}]\nchunk_rows: null\nstreams_per_call: 2\n")
     c = load_config(str(p))
-    assert c.is_auto("chunk_rows") and c.chunk_rows == 128 and c.is_auto("prefetch")
+    assert c.is_auto("chunk_rows") and c.chunk_rows == 512 and c.is_auto("prefetch")
     assert c.streams_per_call == 2 and not c.is_auto("streams_per_call")
     with pytest.raises(ConfigError, match=r"chunk_rows=0 must be a positive integer or null"):
         cfg(chunk_rows=0)
@@ -125,7 +150,8 @@ def test_runtime_choices_are_logged_once(caplog):
         c.replace(seed=9).log_runtime_choices()
     lines = [r.getMessage() for r in caplog.records if r.name == "ingest.config"]
     assert len(lines) == 1
-    assert "chunk_rows=393 (auto: 131072 tokens // seq_len 333)" in lines[0]
+    assert "chunk_rows=787 (auto: 1048576 tokens a call // streams_per_call 4 // seq_len 333)" \
+        in lines[0]
 
 
 # -- the batches do not depend on the knobs -------------------------------------------------
@@ -198,7 +224,9 @@ def old_reference(corpus, sharding):
 @pytest.mark.multidevice
 def test_local_digest_auto_equals_the_old_explicit_settings(corpus, sharding, old_reference):
     auto = small(corpus)
-    assert auto.chunk_rows == 4096 and auto.streams_per_call == 4
+    # 1M tokens a call over 4 streams, in rows of 32; made in this process, 128k tokens.
+    assert (auto.chunk_rows, auto.in_process_chunk_rows, auto.streams_per_call) == (8192, 4096, 4)
+    assert LocalSource(auto, build_plan(auto), [0])._rows == 4096
     with HostFeed(auto, sharding=sharding, backend="local") as feed:
         assert digest(drain(feed)) == digest(old_reference)
 
