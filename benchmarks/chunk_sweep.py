@@ -2,8 +2,8 @@
 
 Runs ``ingest run`` over ``--epochs`` epochs of the demo corpus (or a config's sources) once
 per chunk size, alternating sizes for ``--rounds`` rounds so that a machine whose speed drifts
-hurts every size alike, and prints tokens/s (first to last batch), startup and the feed's
-object-store bound for each::
+hurts every size alike, and prints tokens/s (first to last batch, and in the run's steady
+part), startup and the feed's object-store bound for each::
 
     python -m benchmarks.chunk_sweep [--config CONFIG] [--epochs 10] [--rows 128 256 512]
 
@@ -53,6 +53,14 @@ def _run(path: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _steady(summary: dict) -> str:
+    """The run's steady rate, or why there is none (too few steps for a steady window)."""
+    if not summary.get("steady_from_step"):
+        return "no steady part (too few steps)"
+    return (f"{summary['steady_tokens_per_s'] / 1e6:.2f} M steady "
+            f"(from step {summary['steady_from_step']})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_sweep",
                                 description=__doc__.split("\n\n")[0])
@@ -68,16 +76,22 @@ def main(argv: list[str] | None = None) -> int:
             for r in args.rows:
                 s = _run(paths[r])
                 runs[r].append(s)
-                print(f"round {i + 1}: chunk_rows {r}: {s['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                      f"startup {s['startup_s']:.2f} s", file=sys.stderr, flush=True)
+                print(f"round {i + 1}: chunk_rows {r}: {s['tokens_per_s'] / 1e6:.2f} M tokens/s "
+                      f"from the first batch, {_steady(s)}, startup {s['startup_s']:.2f} s",
+                      file=sys.stderr, flush=True)
     result = {}
     for r, ss in runs.items():
         result[r] = {"tokens_per_s": [s["tokens_per_s"] for s in ss],
+                     "steady_tokens_per_s": [s["steady_tokens_per_s"] if s.get("steady_from_step")
+                                             else None for s in ss],
                      "startup_s": [s["startup_s"] for s in ss],
                      "object_store_bytes_bound": ss[0].get("object_store_bytes_bound")}
         bound = result[r]["object_store_bytes_bound"]
+        steady = [x for x in result[r]["steady_tokens_per_s"] if x]
         print(f"chunk_rows {r:5d}: {statistics.median(result[r]['tokens_per_s']) / 1e6:6.2f} M "
-              f"tokens/s (median of {len(ss)}), startup "
+              f"tokens/s from the first batch"
+              + (f", {statistics.median(steady) / 1e6:.2f} M steady" if steady else "")
+              + f" (medians of {len(ss)}), startup "
               f"{statistics.median(result[r]['startup_s']):.2f} s, object-store bound "
               f"{bound / 2**20 if bound else 0:.0f} MiB", file=sys.stderr)
     print(json.dumps({"epochs": args.epochs, "runs": result}))

@@ -152,6 +152,9 @@ def test_chunk_sweep_reports_each_size_with_its_object_store_bound(tmp_path):
     for r in ("4", "8"):
         _positive(out["runs"][r], "object_store_bytes_bound")
         assert len(out["runs"][r]["tokens_per_s"]) == 1 and out["runs"][r]["tokens_per_s"][0] > 0
+        # The steady rate of each run, or None where it had too few steps for a steady part.
+        steady = out["runs"][r]["steady_tokens_per_s"]
+        assert len(steady) == 1 and (steady[0] is None or steady[0] > 0)
     # The bound is per chunk: twice the rows, twice the bytes (prefetch 2 fits either way).
     assert out["runs"]["8"]["object_store_bytes_bound"] == \
         2 * out["runs"]["4"]["object_store_bytes_bound"]
