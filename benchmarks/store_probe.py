@@ -25,9 +25,6 @@ from typing import Any
 
 __all__ = ["main"]
 
-# As a worker sets them (actors.worker.WORKER_ENV), before the tokenizer loads.
-PRODUCER_ENV = {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false",
-                "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 KINDS = ("plain", "ray", "put")
 
 
@@ -35,7 +32,9 @@ class Producer:
     """Two streams of the demo config, bound to ``core``, producing chunk after chunk."""
 
     def __init__(self, core: int, stream_ids: list[int]):
-        os.environ.update(PRODUCER_ENV)
+        from actors.worker import WORKER_ENV
+
+        os.environ.update(WORKER_ENV)  # as a worker sets them, before the tokenizer loads
         os.sched_setaffinity(0, {core})
         from benchmarks.corpus import make_spec
         from ingest.config import Config
@@ -123,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the phases as JSON here")
     args = p.parse_args(argv)
     plain_cores, ray_cores = _cores(args.plain), _cores(args.ray)
+    if max(len(plain_cores), len(ray_cores)) > 8:
+        p.error("at most 8 cores each: the producers of a kind hold two of the demo's 16 "
+                "streams each")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     ctx = mp.get_context("spawn")
     plain = {}

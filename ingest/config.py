@@ -174,10 +174,10 @@ class Config:
         if self.prefetch is None:
             object.__setattr__(self, "prefetch", AUTO_PREFETCH)
             auto["prefetch"] = "auto: two requests in flight per stream"
+        # The streams one call serves: the value given (capped at a worker's share) or the
+        # share itself, which is also the automatic streams_per_call.
+        share = streams_per_call_for(self.num_streams, self.workers, self.streams_per_call)
         if self.chunk_rows is None:
-            # The streams one call serves: the value given (capped at a worker's share) or the
-            # share itself.
-            share = streams_per_call_for(self.num_streams, self.workers, self.streams_per_call)
             tokens = max(CHUNK_TOKENS, CALL_TOKENS // share)
             target = max(1, tokens // self.seq_len)
             budget = (self.object_store_budget_mb if self.object_store_budget_mb is not None
@@ -194,7 +194,6 @@ class Config:
             object.__setattr__(self, "chunk_rows", rows)
             auto["chunk_rows"] = f"auto: {why}"
         if self.streams_per_call is None:
-            share = streams_per_call_for(self.num_streams, self.workers)
             object.__setattr__(self, "streams_per_call", share)
             auto["streams_per_call"] = (f"auto: a worker's share of the streams, num_streams "
                                         f"{self.num_streams} // workers {self.workers}; the pool "
