@@ -10,6 +10,7 @@ any extra.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import pathlib
 import re
@@ -124,10 +125,17 @@ def _scan() -> dict[str, dict[str, set[str]]]:
     return out
 
 
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    """Top-level module -> its distributions: a scan of every installed package's files,
+    which takes about half a second, so done once."""
+    return importlib.metadata.packages_distributions()
+
+
 def _distributions(module: str) -> set[str]:
     """The normalized distributions that provide a top-level module (its own name when it is
     not installed here)."""
-    found = importlib.metadata.packages_distributions().get(module)
+    found = _packages_distributions().get(module)
     return {_normalize(d) for d in found} if found else {_normalize(module)}
 
 
