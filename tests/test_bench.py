@@ -98,8 +98,30 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
     # The step is set from the steady time per batch; --quick judges no target.
     assert step["pipeline_seconds_per_batch"] == cold["steady_seconds_per_batch"]
     assert results["ratios"]["meets_target"] is None
+    assert results["ratios"]["meets_grain_target"] is None
+    assert results["ratios"]["steady_ours_over_grain"] > 0
     assert results["ratios"]["meets_target_steady"] is None
     assert set(results["ratios"]["ours_over_each_peer"]) == set(results["peers"])
+
+
+@pytest.mark.parametrize("name", ["results.json", "results-tiny.json", "results-cl100k.json"])
+def test_the_grain_target_is_judged_from_the_first_batch_and_steady(name):
+    """On each stored full run: ours over the best grain run by both measures, each judged."""
+    from benchmarks.bench import TARGET_OVER_GRAIN, _ratios, format_table
+
+    results = json.loads((ROOT / "benchmarks" / name).read_text())
+    ours = results["ours_no_warm_start"]
+    grains = [p for n, p in results["peers"].items() if n in ("grain", "grain_mp")]
+    ratios = _ratios(results, results["setting"]["cpus"])
+    want = ours["steady_tokens_per_s"] / max(p["steady_tokens_per_s"] for p in grains)
+    assert ratios["steady_ours_over_grain"] == pytest.approx(want)
+    assert ratios["meets_grain_target_steady"] == (want >= TARGET_OVER_GRAIN)
+    assert ratios["ours_over_grain"] == pytest.approx(
+        ours["tokens_per_s"] / max(p["tokens_per_s"] for p in grains))
+    results["ratios"] = ratios
+    (line,) = [x for x in format_table(results).splitlines() if "best grain" in x]
+    verdict = "met" if ratios["meets_grain_target_steady"] else "missed"
+    assert f"; steady {want:.2f} " in line and f", steady {verdict})" in line
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
