@@ -46,8 +46,8 @@ def _config_file(config: str | None, epochs: int, rows: int, tmp: str) -> str:
 
 def _run(path: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "jax_side.run", "run", path, "--json",
-                          "--no-progress", "--no-warm-start"], cwd=ROOT, env=child_env(), capture_output=True,
-                         text=True, timeout=1800, check=False)
+                          "--no-progress", "--no-warm-start"], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise SystemExit(f"ingest run {path} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
