@@ -1,9 +1,9 @@
 """Steady-state throughput against ``chunk_rows``: how much a Ray call per chunk costs.
 
 Runs ``ingest run`` over ``--epochs`` epochs of the demo corpus (or a config's sources) once
-per chunk size, alternating sizes for ``--rounds`` rounds so that a machine whose speed drifts
-hurts every size alike, and prints tokens/s (first to last batch, and in the run's steady
-part), startup and the feed's object-store bound for each::
+per chunk size, alternating sizes (in reverse order every other round) for ``--rounds`` rounds
+so that a machine whose speed drifts hurts every size alike, and prints tokens/s (first to last
+batch, and in the run's steady part), startup and the feed's object-store bound for each::
 
     python -m benchmarks.chunk_sweep [--config CONFIG] [--epochs 10] [--rows 128 256 512]
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ingest-sweep-") as tmp:
         paths = {r: _config_file(args.config, args.epochs, r, tmp) for r in args.rows}
         for i in range(args.rounds):
-            for r in args.rows:
+            for r in args.rows if i % 2 == 0 else args.rows[::-1]:
                 s = _run(paths[r])
                 runs[r].append(s)
                 print(f"round {i + 1}: chunk_rows {r}: {s['tokens_per_s'] / 1e6:.2f} M tokens/s "
