@@ -387,8 +387,10 @@ def test_a_sigkilled_driver_on_a_given_cluster_leaves_no_worker(job, ray_tmp, he
             proc.wait()
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-@pytest.mark.parametrize("after_s", [1.0, 3.0, None])  # importing, starting Ray, feeding
+# Each signal while feeding; and one of them while importing, the other while Ray starts.
+@pytest.mark.parametrize("sig,code,after_s", [
+    (signal.SIGTERM, 143, 1.0), (signal.SIGINT, 130, 3.0),
+    (signal.SIGINT, 130, None), (signal.SIGTERM, 143, None)])
 def test_a_signal_at_any_point_exits_with_one_line(job, ray_tmp, tmp_path, sig, code, after_s):
     log = tmp_path / "steps.txt"
     proc = start_slow_run(job, env_for(ray_tmp), log)
