@@ -24,7 +24,7 @@ lint: $(STAMP)
 
 # The benchmark harness: tokenizer limit, `ingest run`, grain and Ray Data on the demo corpus.
 # Writes benchmarks/results.json (and results-workers.png, with matplotlib from the `bench`
-# extra); `make bench ARGS=--quick` is the one-minute smoke test.
+# extra); `make bench ARGS=--quick` is the smoke test (about 2 minutes).
 bench: $(STAMP)
 	$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]' \
 		|| echo "make bench: matplotlib did not install; the bench runs without its plot"

@@ -329,10 +329,10 @@ class _Runner:
 
     def peers(self, fast_backend: bool) -> dict[str, Any]:
         """Each peer with the feed's tokenizer backend; where that is a faster one than
-        tiktoken, grain again with tiktoken (``NAME_tiktoken``)."""
+        tiktoken, grain again with tiktoken (``NAME_tiktoken``), except under ``--quick``."""
         out = {}
         runs = [(n, []) for n in PEERS]
-        if fast_backend:
+        if fast_backend and not self.spec.quick:
             runs += [(f"{n}_tiktoken", ["--backend", "tiktoken"]) for n in TIKTOKEN_PEERS]
         for key, extra in runs:
             name = key.removesuffix("_tiktoken")

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", metavar="FILE", help="results file (default: "
                    "benchmarks/results.json, or benchmarks/results-quick.json with --quick)")
     b.add_argument("--quick", action="store_true",
-                   help="smoke test: a slice of the corpus and a few steps (about a minute)")
+                   help="smoke test: a slice of the corpus, a few steps and each peer "
+                   "once (about 2 minutes)")
     b.add_argument("--steps", type=int, metavar="N",
                    help="stop every pipeline after N steps (default: one epoch; --quick: 40)")
     return p

@@ -77,6 +77,8 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
               "memory.workers.peak_bytes")
     assert not cold.get("warm_start_rows")
 
+    # A smoke test runs each peer once, on the feed's backend (a full run adds tiktoken).
+    assert set(results["peers"]) == {"grain", "grain_mp", "ray_data"}
     for name, peer in results["peers"].items():
         _positive(peer, "tokens_per_s", "tokens_per_s_with_startup", "startup_s", "steps",
                   "tokens", "memory.host.peak_bytes", "steady_tokens_per_s")
