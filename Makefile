@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/ingest run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check ingest actors jax_side benchmarks tests

@@ -1,5 +1,4 @@
-"""Shared fixtures: one Ray cluster for the session (each test process of ``pytest -n``
-starts its own), on loopback, and 8 forced CPU devices.
+"""Shared fixtures: one Ray cluster for the session, on loopback, and 8 forced CPU devices.
 
 The environment must be set before JAX or Ray start: 8 CPU devices for the
 multidevice tests, every Ray socket on 127.0.0.1, and token authentication off for this
