@@ -4,6 +4,9 @@ Every pipeline of a run reads the same Parquet files with the same tokenizer, ``
 ``global_batch_size``. They come from a config (its sources and fields) or, without one, the
 built-in demo corpus and config (the stdlib's source, GPT-2, 1024 x 32). ``--quick`` keeps the
 first files up to ``QUICK_TEXT_BYTES`` of text and stops each pipeline after ``QUICK_STEPS``.
+Every pipeline reads the files ``epochs`` times (default ``EPOCHS``): over one epoch of the
+demo our feed makes about seven chunks of each stream, and the last ones are handed out from
+memory, so a one-epoch rate over the run's later part says little about a long job.
 The spec travels to the measured subprocesses as a small JSON file.
 """
 
@@ -21,6 +24,7 @@ __all__ = ["BenchSpec", "backend_of", "load_texts", "make_spec"]
 
 QUICK_TEXT_BYTES = 6 * 2**20  # two of the demo's eight shards: about 3.8 M GPT-2 tokens
 QUICK_STEPS = 40
+EPOCHS = 3
 # The single-core limits read at most this much text: enough for a stable rate (the demo
 # corpus is 31 MB, all of it), small enough to hold in memory for any corpus.
 LIMIT_TEXT_BYTES = 256 * 2**20
@@ -38,7 +42,8 @@ class BenchSpec:
       tokenizer_backend: the config's ``tokenizer_backend``, which the peers use too.
       seq_len, global_batch_size, num_streams: the batch shape (and our streams).
       cpus: CPUs of this machine; our workers and grain's prefetch processes.
-      steps: each pipeline stops after this many global batches; None runs one epoch.
+      epochs: each pipeline reads ``files`` this many times, in order.
+      steps: each pipeline stops after this many global batches; None runs every epoch.
       limit_text_bytes: the most text the single-core limits read.
       repeats: passes of the tokenizer limit (the best is the limit).
       quick: a smoke test on a slice.
@@ -53,6 +58,7 @@ class BenchSpec:
     global_batch_size: int
     num_streams: int
     cpus: int
+    epochs: int
     steps: int | None
     limit_text_bytes: int
     repeats: int
@@ -85,9 +91,10 @@ def _text_bytes(path: str, column: str) -> int:
 
 
 def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
-              tokenizer: str | None = None) -> BenchSpec:
+              tokenizer: str | None = None, epochs: int | None = None) -> BenchSpec:
     """Builds the spec from a config (or the demo), checking that every pipeline can read it;
-    ``tokenizer`` replaces the config's.
+    ``tokenizer`` replaces the config's; ``epochs`` defaults to ``EPOCHS`` (1 when
+    ``quick``).
 
     Raises:
       ValueError: sources that are not local Parquet files, or that use different text
@@ -129,17 +136,18 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
                 break
         files = kept
     steps = steps if steps is not None else (QUICK_STEPS if quick else None)
+    epochs = epochs or (1 if quick else EPOCHS)
     config = dataclasses.asdict(base)
-    # One epoch of exactly these files, one worker per CPU, as the peers get.
+    # Exactly these files, as many times as the peers read them, one worker per CPU.
     config.update(sources=[{"paths": list(files), "text_column": columns[0], "format": "parquet",
                             "weight": 1.0}],
-                  num_epochs=1, workers=cpus)
+                  num_epochs=epochs, workers=cpus)
     # Knobs the config leaves automatic stay so: `ingest run` resolves them for its workers.
     config.update({n: None for n in AUTO_FIELDS if base.is_auto(n)})
     return BenchSpec(files=tuple(files), text_column=columns[0], tokenizer=base.tokenizer,
                      tokenizer_backend=base.tokenizer_backend,
                      seq_len=base.seq_len, global_batch_size=base.global_batch_size,
-                     num_streams=base.num_streams, cpus=cpus, steps=steps,
+                     num_streams=base.num_streams, cpus=cpus, epochs=epochs, steps=steps,
                      limit_text_bytes=QUICK_LIMIT_TEXT_BYTES if quick else LIMIT_TEXT_BYTES,
                      repeats=1 if quick else 3, quick=quick, config=config)
 

@@ -4,12 +4,13 @@ Run as ``python -m benchmarks.peers PEER --spec SPEC.json``; prints one JSON obj
 peer ends in the same place as ours: six int32 ``[global_batch_size, seq_len]`` global
 ``jax.Array`` fields on a mesh of the local devices.
 
-    grain      ParquetIterDataset -> map(tokenize) -> ConcatThenSplitIterDataset -> batch ->
-               shift -> jax.make_array_from_process_local_data, in one process
+    grain      ParquetIterDataset -> RepeatIterDataset(epochs) -> map(tokenize) ->
+               ConcatThenSplitIterDataset -> batch -> shift ->
+               jax.make_array_from_process_local_data, in one process
     grain_mp   the same with .mp_prefetch(num_workers = CPUs) after the batch (each prefetch
                process packs its own slice of the files)
-    ray_data   read_parquet -> map_batches(tokenize + pack + shift) -> iter_jax_batches, on
-               a local Ray cluster of CPUs
+    ray_data   read_parquet (a union of one per epoch) -> map_batches(tokenize + pack +
+               shift) -> iter_jax_batches, on a local Ray cluster of CPUs
 
 The tokenizer is ``ingest.tokenize.load_tokenizer(spec, backend)``: the feed's own encoding call
 with the feed's ``tokenizer_backend`` (``--backend tiktoken`` for tiktoken itself), so the
@@ -160,6 +161,8 @@ def run_grain(spec: BenchSpec, *, workers: int, backend: str) -> dict[str, Any]:
     shape = (spec.global_batch_size, spec.seq_len)
     tokenize = _Tokenize(spec.tokenizer, backend, spec.text_column)
     ds = gx.ParquetIterDataset(list(spec.files))
+    if spec.epochs > 1:
+        ds = gx.RepeatIterDataset(ds, num_epochs=spec.epochs)
     ds = ds.map(tokenize)
     ds = gx.ConcatThenSplitIterDataset(ds, length_struct={"inputs": spec.seq_len,
                                                           "targets": spec.seq_len})
@@ -248,6 +251,9 @@ def run_ray_data(spec: BenchSpec, *, backend: str) -> dict[str, Any]:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         ds = ray.data.read_parquet(list(spec.files)).select_columns([spec.text_column])
+        if spec.epochs > 1:  # read_parquet reads a path given twice once
+            ds = ds.union(*(ray.data.read_parquet(list(spec.files)).select_columns(
+                [spec.text_column]) for _ in range(spec.epochs - 1)))
         ds = ds.map_batches(_tokenize_and_pack, batch_format="numpy",
                             fn_kwargs={"tokenizer": spec.tokenizer, "backend": backend,
                                        "text_column": spec.text_column,

@@ -108,8 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true",
                    help="smoke test: a slice of the corpus, a few steps and each peer "
                    "once (about 2 minutes)")
+    b.add_argument("--epochs", type=int, metavar="N",
+                   help="every pipeline reads the corpus N times (default: 3, so that the "
+                   "steady rate is taken over many chunks of each stream; --quick: 1)")
     b.add_argument("--steps", type=int, metavar="N",
-                   help="stop every pipeline after N steps (default: one epoch; --quick: 40)")
+                   help="stop every pipeline after N steps (default: at the end of the "
+                   "epochs; --quick: 40)")
     return p
 
 
@@ -125,8 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("; ".join(bad))
         return args
     if args.command == "bench":
-        if args.steps is not None and args.steps <= 0:
-            parser.error(f"--steps={args.steps} must be positive")
+        bad = [f"{flag}={v} must be positive" for flag, v in
+               (("--steps", args.steps), ("--epochs", args.epochs)) if v is not None and v <= 0]
+        if bad:
+            parser.error("; ".join(bad))
         if args.config and args.corpus:
             parser.error(f"give a config or --corpus={args.corpus}, not both")
         return args

@@ -120,10 +120,40 @@ def test_the_grain_target_is_judged_from_the_first_batch_and_steady(name):
     assert ratios["meets_grain_target_steady"] == (want >= TARGET_OVER_GRAIN)
     assert ratios["ours_over_grain"] == pytest.approx(
         ours["tokens_per_s"] / max(p["tokens_per_s"] for p in grains))
+    # The ceiling: every CPU running the grain runs' tokenizer backend alone, over grain.
+    limits = results["limit"]
+    backend = limits["feed_backend"] if "tokens_per_s" in limits["feed_backend"] else \
+        limits["tokenizer"]
+    ceiling = results["setting"]["cpus"] * backend["tokens_per_s"] / max(
+        p["tokens_per_s"] for p in grains)
+    assert ratios["grain_ceiling"] == pytest.approx(ceiling)
     results["ratios"] = ratios
     (line,) = [x for x in format_table(results).splitlines() if "best grain" in x]
     verdict = "met" if ratios["meets_grain_target_steady"] else "missed"
     assert f"; steady {want:.2f} " in line and f", steady {verdict})" in line
+    assert f"at most {ceiling:.2f} here" in line
+
+
+def test_every_pipeline_reads_the_corpus_epochs_times(tmp_path):
+    """``--epochs``: our config's num_epochs, and grain reads every document that many times."""
+    from benchmarks.corpus import EPOCHS, make_spec
+    from ingest.cli import parse_args
+
+    config = _small_config(tmp_path, 5)
+    assert make_spec(str(config), quick=False, steps=None).config["num_epochs"] == EPOCHS
+    assert make_spec(str(config), quick=True, steps=None).config["num_epochs"] == 1
+    tokens = {}
+    for epochs in (1, 2):
+        spec = make_spec(str(config), quick=False, steps=None, epochs=epochs)
+        assert spec.config["num_epochs"] == epochs
+        path = tmp_path / f"spec{epochs}.json"
+        spec.save(str(path))
+        proc = _run_program([sys.executable, "-m", "benchmarks.peers", "grain", "--spec",
+                             str(path)])
+        tokens[epochs] = json.loads(proc.stdout.strip().splitlines()[-1])["tokens"]
+    assert tokens[1] > 0 and tokens[2] == 2 * tokens[1]
+    with pytest.raises(SystemExit):
+        parse_args(["bench", "--epochs", "0"])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
