@@ -110,7 +110,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
         for _ in range(steps):
             t0 = time.perf_counter()
             step = feed._assemble()
-            jax.block_until_ready(step.arrays)
+            jax.block_until_ready(step.arrays())
             times.append(time.perf_counter() - t0)
         feed._intake.source = None
         out["hostfeed_us"] = _median_us(times)

@@ -4,7 +4,11 @@ Stream j of the host's block gives rows ``[j*k, (j+1)*k)`` of the host's local b
 per stream at this step); a stream that ended fills the rest of its rows with zeros (padding).
 The local batch ``[6, rows, seq_len]`` becomes one ``jax.Array`` per field of shape
 ``[B, seq_len]``, what ``jax.make_array_from_process_local_data`` makes of it, in one batched
-transfer (``private_api.put_arrays``)::
+transfer (``private_api.put_arrays``). The rows are assembled on the feed's thread; the
+transfer runs on the consumer's (``AssembledStep.arrays``), the thread that dispatches the
+training step: with 8 CPU devices, transfers issued on another thread while a jitted step's
+all-reduce launched left one device out of the collective's rendezvous now and then, and XLA
+aborted the process after 40 s (the README's example, 1 to 3 passes of 241 steps)::
 
     host rows  stream 0: r0 r1 | stream 1: r0 pad     k = 2
     local      [6, 4, seq_len] -> inputs, targets, ... each [B, seq_len] on the sharding
@@ -59,7 +63,9 @@ class AssembledStep:
     """A finished step, waiting for the consumer.
 
     Attributes:
-      arrays: the global arrays, by field.
+      fields: this host's rows, ``[6, rows, seq_len]`` (``LocalBatch.fields``).
+      sharding: the sharding of the global arrays.
+      global_batch_size: their first dimension.
       state: the host state after this step.
       tokens: real tokens of this host's rows.
       rows: this host's rows (real and padding).
@@ -67,12 +73,19 @@ class AssembledStep:
       padding_tokens: padding tokens of this host's rows.
     """
 
-    arrays: dict[str, jax.Array]
+    fields: np.ndarray
+    sharding: NamedSharding
+    global_batch_size: int
     state: dict[str, Any]
     tokens: int
     rows: int
     padding_rows: int
     padding_tokens: int
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The global arrays, by field: call it on the thread that runs the computations
+        they feed."""
+        return global_arrays(self.fields, self.sharding, self.global_batch_size)
 
 
 def fill_local_batch(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int) -> LocalBatch:
@@ -93,6 +106,5 @@ def assembled_step(local: LocalBatch, sharding: NamedSharding, global_batch_size
     """The step of ``local``'s rows, with ``state`` (the host state after it)."""
     seg = local.fields[FIELDS.index("inputs_segmentation")]
     tokens = int(np.count_nonzero(seg))
-    arrays = global_arrays(local.fields, sharding, global_batch_size)
-    return AssembledStep(arrays, state, tokens, local.fields.shape[1], local.padding_rows,
-                         seg.size - tokens)
+    return AssembledStep(local.fields, sharding, global_batch_size, state, tokens,
+                         local.fields.shape[1], local.padding_rows, seg.size - tokens)

@@ -1,11 +1,11 @@
 """HostFeed: takes k rows per owned stream per step, forms global arrays, prefetches.
 
 One per JAX process. A background thread pulls chunks (from Ray workers or in-process
-streams), copies each stream's k rows into its block of the local batch, pads streams that
-ended with all-zero rows, and forms one ``jax.Array`` per field on the user's sharding with
-``jax.make_array_from_process_local_data`` (one batched transfer when a single process holds
-the whole batch). Up to ``device_prefetch`` finished batches wait in
-a queue. Every batch carries the host state *after* it, so ``get_state`` describes exactly what
+streams), copies each stream's k rows into its block of the local batch and pads streams that
+ended with all-zero rows. Up to ``device_prefetch`` finished batches wait in a queue; the
+consumer's ``next`` forms one ``jax.Array`` per field on the user's sharding, what
+``jax.make_array_from_process_local_data`` makes (one batched transfer), on the thread that
+runs the training step. Every batch carries the host state *after* it, so ``get_state`` describes exactly what
 the consumer has received, never what was prefetched.
 
 The parts, each in its module: the streams' chunks and cursors (``chunk_intake``), a step's
@@ -237,7 +237,7 @@ class HostFeed(FeedCounters):
         self._count_batch(now, waited, item.tokens, item.padding_rows, item.padding_tokens)
         self._pass_started = True
         self._state = item.state
-        return item.arrays
+        return item.arrays()
 
     def _finish(self) -> None:
         """At the end of the data: stops the producer, counts every real row not delivered

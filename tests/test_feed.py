@@ -783,3 +783,35 @@ def test_stats_report_the_live_worker_count_after_the_pool_resizes_itself(
         live = feed.stats()["workers"]
     assert digest_of(batches) == reference["digest"]
     assert live == 1 and feed.stats()["workers"] == 1  # while open, and once closed
+
+
+def test_the_consumer_thread_makes_the_device_arrays(config, plan, sharding_1d, monkeypatch):
+    """The producer thread hands over host rows; ``next`` transfers them, on the thread that
+    runs the step. With the transfer on the producer thread, a jitted step whose all-reduce
+    spans the 8 devices now and then found one device missing from XLA's rendezvous, and XLA
+    aborted the process after 40 s: here, passes of a summing step on every batch."""
+    import jax_side.batch_assembly as assembly
+
+    made_on: set[int] = set()
+    put = assembly.put_arrays
+
+    def recording_put(*args, **kwargs):
+        made_on.add(threading.get_ident())
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(assembly, "put_arrays", recording_put)
+
+    @jax.jit
+    def step(total, batch):
+        return total + (batch["targets_segmentation"] != 0).sum()
+
+    totals = []
+    for _ in range(3):
+        feed = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan)
+        total = jax.numpy.zeros((), jax.numpy.int32)
+        with feed:
+            for batch in feed:
+                total = step(total, batch)
+        totals.append(int(total))
+    assert made_on == {threading.get_ident()}
+    assert totals[0] > 0 and totals == [totals[0]] * 3
