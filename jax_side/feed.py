@@ -5,8 +5,8 @@ streams), copies each stream's k rows into its block of the local batch and pads
 ended with all-zero rows. Up to ``device_prefetch`` finished batches wait in a queue; the
 consumer's ``next`` forms one ``jax.Array`` per field on the user's sharding, what
 ``jax.make_array_from_process_local_data`` makes (one batched transfer), on the thread that
-runs the training step. Every batch carries the host state *after* it, so ``get_state`` describes exactly what
-the consumer has received, never what was prefetched.
+runs the training step. Every batch carries the host state *after* it, so ``get_state``
+describes exactly what the consumer has received, never what was prefetched.
 
 The parts, each in its module: the streams' chunks and cursors (``chunk_intake``), a step's
 rows and global arrays (``batch_assembly``), the thread and its handoff (``prefetch``), the
