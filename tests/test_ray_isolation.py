@@ -153,24 +153,41 @@ class Head:
     cluster, as far as ingest can tell); stopped by killing the processes under its temp dir
     (`ray stop` would end every Ray cluster on the machine)."""
 
-    def __init__(self, ray_tmp: Path, num_cpus: int = 1):
-        self.port = free_port()
+    def __init__(self, ray_tmp: Path, num_cpus: int = 1, attempts: int = 3):
         self.temp_dir = ray_tmp / "ray"  # Ray's default temp dir under RAY_TMPDIR
         self.env = env_for(ray_tmp)
-        bin_dir = Path(sys.executable).parent
-        cmd = [str(bin_dir / "ray"), "start", "--head", f"--port={self.port}",
-               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-               "--include-dashboard=false", f"--temp-dir={self.temp_dir}",
-               "--disable-usage-stats",
-               f"--dashboard-agent-listen-port={free_port()}",
-               f"--dashboard-agent-grpc-port={free_port()}",
-               f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-               f"--ray-client-server-port={free_port()}"]
-        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
-        if out.returncode:
+        failures = []
+        # `ray start` gives the raylet a fixed 30 s to register with the GCS; on a loaded 2-CPU
+        # machine that can pass, so a failed start is cleaned up and tried again on new ports.
+        for _ in range(attempts):
+            self.port = free_port()
+            out = subprocess.run(self._command(num_cpus), env=self.env, capture_output=True,
+                                 text=True, timeout=120)
+            if not out.returncode:
+                self.address = f"127.0.0.1:{self.port}"
+                return
+            failures.append(f"{out.stdout[-1500:]}{out.stderr[-1500:]}{self._log_tails()}")
             self.stop()
-            pytest.fail(f"`ray start --head` failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-        self.address = f"127.0.0.1:{self.port}"
+        pytest.fail(f"`ray start --head` failed {attempts} times; the last:\n{failures[-1]}")
+
+    def _command(self, num_cpus: int) -> list[str]:
+        bin_dir = Path(sys.executable).parent
+        return [str(bin_dir / "ray"), "start", "--head", f"--port={self.port}",
+                "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+                "--include-dashboard=false", f"--temp-dir={self.temp_dir}",
+                "--disable-usage-stats",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--dashboard-agent-grpc-port={free_port()}",
+                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                f"--ray-client-server-port={free_port()}"]
+
+    def _log_tails(self) -> str:
+        """The ends of the GCS's and raylet's logs of the latest session, to say why it failed."""
+        tails = []
+        for name in ("gcs_server.out", "raylet.out"):
+            for log in sorted(self.temp_dir.glob(f"session_*/logs/{name}"))[-1:]:
+                tails.append(f"\n--- {log.name} ---\n" + log.read_text(errors="replace")[-1500:])
+        return "".join(tails)
 
     def answers(self) -> tuple[int, int]:
         """Runs a task on this cluster from a fresh driver: (its result, the cluster's nodes)."""
