@@ -9,7 +9,7 @@ Runs ``ingest run`` on the config (default: the demo) as ``ingest bench`` does, 
 samples every CPU with ``perf record -a`` for ``--seconds``. Each sample is put in one part:
 
     tokenizer         the workers in the tokenizer's library (tiktoken's, HF tokenizers', or
-                      a faster exact backend's: riptoken, rs_bpe, bpe_openai), and in libc's
+                      a faster exact backend's: riptoken, toktok, rs_bpe, bpe_openai), and in libc's
                       memcmp, which the BPE merges call for every hash lookup (about a tenth of
                       the bare tokenizer's own samples)
     worker_*          the workers' other time, by library: python, numpy, arrow (Arrow and
@@ -53,7 +53,7 @@ __all__ = ["classify", "main", "split_samples", "top_symbols"]
 _LINE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s*\((.*)\)\s*$")
 # Each tokenizer library's shared object, by its package directory and file name.
 _TOKENIZER_LIBS = ("tiktoken/_tiktoken", "tokenizers/tokenizers.", "riptoken/_riptoken",
-                   "rs_bpe/bpe.", "bpe_openai/_bindings")
+                   "toktok/_toktok", "rs_bpe/bpe.", "bpe_openai/_bindings")
 _WORKER_LIBS = (("python", ("libpython",)),
                 ("numpy", ("_multiarray", "numpy", "bit_generator", "_generator")),
                 ("arrow", ("libarrow", "libparquet", "pyarrow", "lib.cpython")),

@@ -8,13 +8,19 @@ ids; it is runtime only: the ids, and so the batches, do not depend on it.
 ==============  ====================================================  ===================
 backend         library call                                          vocabularies proven
 ==============  ====================================================  ===================
+``toktok``      ``toktok._toktok.Tokenizer("cl100k_base", "")``       cl100k, ASCII texts
 ``rs_bpe``      ``rs_bpe.bpe.openai.cl100k_base().encode``            cl100k
 ``bpe_openai``  ``bpe_openai.get_encoding("cl100k_base")``            cl100k
 ``riptoken``    ``riptoken.CoreBPE(ranks, specials, pattern)``        gpt2
 ==============  ====================================================  ===================
 
-rs_bpe and bpe_openai hold named encodings in their Rust cores and cannot run GPT-2's
-vocabulary offline. riptoken is built from the tiktoken encoding's own ranks, special tokens
+toktok, rs_bpe and bpe_openai hold named encodings in their compiled code and cannot run
+GPT-2's vocabulary offline. toktok's ids differ from tiktoken's on a few texts with rare
+characters (2 of 20,000 adversarial texts: one splits a text into pieces another way, one
+merges a piece with a supplementary-plane character another way) and equal them on every
+ASCII text tried, so it encodes ASCII texts only (``str.isascii``, which CPython answers
+without a scan); the others go to rs_bpe where it is installed, else to tiktoken
+(``_AsciiToktok``). riptoken is built from the tiktoken encoding's own ranks, special tokens
 and pattern. It merges a regex piece of ``LONG_PIECE_BYTES`` bytes or more by another
 algorithm, whose ids can differ from tiktoken's (``"1" * 501`` in GPT-2), so a text that may
 hold such a piece goes to tiktoken (``long_piece_possible``); riptoken also encodes with an
@@ -39,7 +45,7 @@ import itertools
 import logging
 import random
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -58,11 +64,15 @@ log = logging.getLogger("ingest.tokenize")
 # GPT-2 through encode_docs in units of 256 documents (one core, another such machine), the
 # long-piece check included: the demo corpus tiktoken 3.2 M tokens/s, riptoken 4.5 M (1.38x);
 # tiny documents 3.0 M and 4.2 M (1.42x).
-FASTEST_FIRST = ("rs_bpe", "bpe_openai", "riptoken")
+# toktok on the ASCII files among them, in one joined call: 20 M tokens/s (6 x tiktoken).
+FASTEST_FIRST = ("toktok", "rs_bpe", "bpe_openai", "riptoken")
 # Vocabularies (tokenizer specs) each backend is proven on, and its name there.
-PROVEN = {"rs_bpe": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
+PROVEN = {"toktok": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
+          "rs_bpe": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
           "bpe_openai": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
           "riptoken": {"gpt2": "gpt2"}}
+
+_NO_SPECIALS: frozenset[str] = frozenset()
 
 # riptoken merges pieces of this many bytes or more another way (its heap path).
 LONG_PIECE_BYTES = 500
@@ -80,9 +90,11 @@ _NOT_WS_RUN, _WS_RUN = b"\0" * _RUN_BYTES, b"\1" * _RUN_BYTES
 
 
 def int32_ids(ids: Iterable[int], count: int) -> np.ndarray:
-    """``count`` ids, a backend's Python ints, as int32. The backends return lists; struct
-    packs them in about two thirds of numpy's time (a list of 840k GPT-2 ids: 22 against 35
-    ns an id, next to riptoken's 177 for encoding them)."""
+    """``count`` ids, a backend's Python ints (or an array of them), as int32. Most backends
+    return lists; struct packs them in about two thirds of numpy's time (a list of 840k GPT-2
+    ids: 22 against 35 ns an id, next to riptoken's 177 for encoding them)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int32, copy=False)
     return np.frombuffer(struct.pack(f"{count}i", *ids), dtype=np.int32)
 
 
@@ -90,6 +102,10 @@ def lists_with_eos(ids: list[Sequence[int]], eos_id: int) -> tuple[np.ndarray, n
     """Each document's ids followed by ``eos_id``, back to back, and the index of each EOS
     (``Tokenizer.encode_docs``), from the id lists a library returns, in one pass in C."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    if ids and all(isinstance(x, np.ndarray) for x in ids):
+        eos = np.array([eos_id], dtype=np.int32)
+        return (np.concatenate([x for a in ids for x in (int32_ids(a, len(a)), eos)]),
+                np.cumsum(lengths + 1) - 1)
     tokens = int32_ids(itertools.chain.from_iterable(
         itertools.chain.from_iterable(zip(ids, itertools.repeat((eos_id,))))),
         int(lengths.sum()) + len(ids))
@@ -115,6 +131,8 @@ def load_encoder(backend: str, encoding: str, reference=None) -> Callable[[str],
     tokenizer ``reference``, whose ranks it is built from)."""
     if backend == "riptoken":
         return _GuardedRiptoken(reference._enc).encode_ordinary
+    if backend == "toktok":
+        return _ascii_toktok(encoding, reference).encode_ordinary
     if backend == "rs_bpe":
         from rs_bpe.bpe import openai  # noqa: PLC0415 (optional, loaded on demand)
 
@@ -131,7 +149,22 @@ def load_joined_encoder(backend: str, reference) -> Callable[[str, frozenset], o
     """The backend's call that encodes a text with the given special tokens allowed, giving
     a buffer of int32 ids (what ``TiktokenTokenizer.encode_joined`` takes); None where the
     backend has none."""
-    return _GuardedRiptoken(reference._enc).encode if backend == "riptoken" else None
+    if backend == "riptoken":
+        return _GuardedRiptoken(reference._enc).encode
+    if backend == "toktok":
+        return _ascii_toktok(PROVEN["toktok"][reference.name], reference).encode
+    return None
+
+
+def _runs(text: str, sep: str, key: Callable[[str], bool]) -> Iterator[tuple[bool, str]]:
+    """``text`` cut at ``sep`` into runs of consecutive parts with the same ``key``: each run
+    as ``(key, its parts joined by sep, with the sep after it)``; none after the last run."""
+    parts = text.split(sep)
+    done = 0
+    for flag, run in itertools.groupby(parts, key=key):
+        run = list(run)
+        done += len(run)
+        yield flag, sep.join(run) + (sep if done < len(parts) else "")
 
 
 @functools.lru_cache(maxsize=8)
@@ -165,20 +198,78 @@ class _GuardedRiptoken:
             return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, allowed),
                                  dtype=np.int32)
         (sep,) = allowed  # the end-of-document token that joins a call's documents
-        parts = text.split(sep)
-        out, done = [], 0
-        for long, run in itertools.groupby(parts, key=long_piece_possible):
-            run = list(run)
-            done += len(run)
-            segment = sep.join(run) + (sep if done < len(parts) else "")
-            out.append(np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(segment, allowed),
-                                     dtype=np.int32) if long else
-                       self._riptoken(segment, allowed))
-        return np.concatenate(out)
+        return np.concatenate([
+            np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(segment, allowed),
+                          dtype=np.int32) if long else self._riptoken(segment, allowed)
+            for long, segment in _runs(text, sep, long_piece_possible)])
 
     def _riptoken(self, text: str, allowed: frozenset) -> np.ndarray:
         ids = self._fast.encode(text, allowed)
         return int32_ids(ids, len(ids))
+
+
+@functools.lru_cache(maxsize=8)
+def _ascii_toktok(encoding: str, reference) -> _AsciiToktok:
+    return _AsciiToktok(encoding, reference)
+
+
+class _AsciiToktok:
+    """toktok on ASCII texts, where its ids are proven; other texts on rs_bpe where it is
+    installed, else on tiktoken. Both calls give int32 arrays (toktok's uint32 ids, viewed)."""
+
+    def __init__(self, encoding: str, reference):
+        from toktok._toktok import Tokenizer  # noqa: PLC0415 (optional, loaded on demand)
+
+        # The full encoder (the package's public API counts tokens only).
+        self._fast = Tokenizer(encoding, "")
+        self._tiktoken = reference._enc._core_bpe
+        self._eos = np.array([reference.eos_id], dtype=np.int32)
+        try:
+            self._other = load_encoder("rs_bpe", encoding)
+        except ImportError:
+            self._other = None
+
+    def encode_ordinary(self, text: str) -> np.ndarray:
+        if text.isascii():
+            return self._toktok(text, _NO_SPECIALS)
+        return self._ordinary_other(text)
+
+    def _ordinary_other(self, text: str) -> np.ndarray:
+        if self._other is None:
+            return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, _NO_SPECIALS),
+                                 dtype=np.int32)
+        ids = self._other(text)
+        return int32_ids(ids, len(ids))
+
+    def encode(self, text: str, allowed: frozenset) -> np.ndarray:
+        """``text`` with ``allowed`` special tokens, as int32 ids: runs of ASCII documents (the
+        parts between two allowed end-of-document tokens) on toktok, the others one by one
+        on rs_bpe (or together on tiktoken)."""
+        if text.isascii():
+            return self._toktok(text, allowed)
+        if len(allowed) != 1:
+            return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, allowed),
+                                 dtype=np.int32)
+        (sep,) = allowed  # the end-of-document token that joins a call's documents
+        out = []
+        for ascii_run, segment in _runs(text, sep, str.isascii):
+            if ascii_run:
+                out.append(self._toktok(segment, allowed))
+            elif self._other is None:
+                out.append(np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(
+                    segment, allowed), dtype=np.int32))
+            else:
+                parts = segment.split(sep)
+                for i, part in enumerate(parts):
+                    if part:
+                        out.append(self._ordinary_other(part))
+                    if i < len(parts) - 1:
+                        out.append(self._eos)
+        return np.concatenate(out)
+
+    def _toktok(self, text: str, allowed: frozenset) -> np.ndarray:
+        return self._fast.encode_to_numpy(text, allowed_special=allowed,
+                                          disallowed_special=()).view(np.int32)
 
 
 class FastBPETokenizer:
@@ -247,7 +338,8 @@ def self_check(reference, encode: Callable[[str], Sequence[int]],
 
 
 # The compiled modules whose code gives a backend's ids (tiktoken's: the reference's).
-_LIBRARY_MODULES = {"rs_bpe": "rs_bpe.bpe", "bpe_openai": "bpe_openai._bindings",
+_LIBRARY_MODULES = {"toktok": "toktok._toktok", "rs_bpe": "rs_bpe.bpe",
+                    "bpe_openai": "bpe_openai._bindings",
                     "riptoken": "riptoken._riptoken"}
 
 

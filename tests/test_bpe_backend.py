@@ -23,6 +23,7 @@ from ingest.bpe_backend import (
     LONG_PIECE_BYTES,
     PROVEN,
     FastBPETokenizer,
+    _AsciiToktok,
     accelerate,
     adversarial_texts,
     checked,
@@ -171,6 +172,67 @@ def test_riptoken_gives_tiktoken_ids_around_the_long_piece_size(vocab):
     assert fast.fallbacks == 0
 
 
+def ascii_texts(n: int, seed: int) -> list[str]:
+    """``n`` ASCII texts that reach every branch of cl100k's pattern: contractions in either
+    case, digit runs, punctuation runs before newlines, whitespace runs of every kind and
+    length (trailing too), control characters, long words, special tokens' strings, code."""
+    rng = random.Random(seed)
+    alphabet = [chr(i) for i in range(128)]
+    pieces = ("'s", "'S", "'t", "'ll", "'LL", "'ve", "'Re", "'d", "'M", " ", "  ", "\t", "\n",
+              "\r\n", "\r", "\n\n\n", "    ", "\x0b", "\x0c", "123", "4567890", "0", "a", "Z",
+              "hello", "World", "HTTP", "x" * 300, " " * 200, "\n" * 50, "!!", "...", "-->",
+              "<|endoftext|>", "<|fim_prefix|>", "def f(x):\n    return x\n", "\x00", "\x7f",
+              "\x1f", "__init__", "0x1F", "1e-3", "a'b", "''", "' s")
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randrange(1, 60)):
+            r = rng.random()
+            if r < 0.5:
+                parts.append(rng.choice(pieces))
+            elif r < 0.8:
+                parts.append("".join(rng.choices(alphabet, k=rng.randrange(1, 12))))
+            else:
+                parts.append(rng.choice(" \t\n\r") * rng.randrange(1, 40))
+        out.append("".join(parts))
+    return out
+
+
+@pytest.mark.parametrize("vocab", [v for v in BUNDLED if v in PROVEN["toktok"]])
+def test_toktok_gives_tiktoken_ids_on_ascii_and_hands_other_texts_on(vocab):
+    """toktok runs ASCII texts only: there its ids are tiktoken's (40,000 generated texts,
+    about 16 M characters). A text with any other character goes to rs_bpe (or, without it,
+    to tiktoken), alone and among ASCII documents in a joined call."""
+    reference = load_tokenizer(vocab, "tiktoken")
+    enc = reference._enc
+    toktok = _AsciiToktok(PROVEN["toktok"][vocab], reference)
+    texts = ascii_texts(40_000, seed=3)
+    assert sum(map(len, texts)) > 15_000_000 and all(t.isascii() for t in texts)
+    bad = [t for t in texts if not np.array_equal(toktok.encode_ordinary(t),
+                                                  enc.encode_ordinary(t))]
+    assert not bad, f"{len(bad)} ASCII texts differ, first {bad[0][:80]!r}"
+    # Other texts, the few that toktok itself encodes otherwise among them.
+    others = [t for t in adversarial_texts(20_000) if not t.isascii()]
+    wrong = [t for t in others if not np.array_equal(
+        toktok._fast.encode_to_numpy(t, disallowed_special=()), enc.encode_ordinary(t))]
+    rare = others[:1000 - len(wrong)] + wrong
+    mixed = [x for pair in zip(texts[:1000], rare, strict=True) for x in pair]
+    mixed += ["a<|endoftext|>b", "é<|endoftext|>", "", "<|endoftext|>"]
+    fast = FastBPETokenizer(reference, "toktok", toktok.encode_ordinary, toktok.encode)
+    without_rs_bpe = _AsciiToktok(PROVEN["toktok"][vocab], reference)
+    without_rs_bpe._other = None
+    plain = FastBPETokenizer(reference, "toktok", without_rs_bpe.encode_ordinary,
+                             without_rs_bpe.encode)
+    for tok in (fast, plain):
+        for k in (1, 5, 200):  # joined calls of k documents
+            for i in range(0, len(mixed), k):
+                got, want = tok.encode_docs(mixed[i:i + k]), reference.encode_docs(mixed[i:i + k])
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), i
+        for got, want in zip(tok.encode_batch(mixed), reference.encode_batch(mixed),
+                             strict=True):
+            assert got.dtype == np.int32 and np.array_equal(got, want)
+
+
 def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
     reference = load_tokenizer("cl100k", "tiktoken")
     # A real library with a real but different vocabulary (o200k) posing as cl100k.
@@ -181,7 +243,9 @@ def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
     assert tok is reference
     assert any("differ from tiktoken's" in r.getMessage() and "rs_bpe" in r.getMessage()
                for r in caplog.records)
-    # auto goes on to the next backend that passes.
+    # auto goes on to the next backend that passes (toktok, first, is not refused here).
+    assert accelerate(reference, "cl100k", "auto").backend == "toktok"
+    monkeypatch.setitem(PROVEN, "toktok", {"cl100k": "o200k_base"})
     assert accelerate(reference, "cl100k", "auto").backend == "bpe_openai"
 
 
