@@ -8,7 +8,7 @@ ids; it is runtime only: the ids, and so the batches, do not depend on it.
 ==============  ====================================================  ===================
 backend         library call                                          vocabularies proven
 ==============  ====================================================  ===================
-``toktok``      ``toktok._toktok.Tokenizer("cl100k_base", "")``       cl100k, ASCII texts
+``toktok``      ``private_api.toktok_tokenizer("cl100k_base")``       cl100k, ASCII texts
 ``rs_bpe``      ``rs_bpe.bpe.openai.cl100k_base().encode``            cl100k
 ``bpe_openai``  ``bpe_openai.get_encoding("cl100k_base")``            cl100k
 ``riptoken``    ``riptoken.CoreBPE(ranks, specials, pattern)``        gpt2
@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ingest.cache import cached_by_files
+from ingest.private_api import toktok_tokenizer
 
 __all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
            "adversarial_texts", "checked", "int32_ids", "lists_with_eos", "load_encoder",
@@ -218,10 +219,7 @@ class _AsciiToktok:
     installed, else on tiktoken. Both calls give int32 arrays (toktok's uint32 ids, viewed)."""
 
     def __init__(self, encoding: str, reference):
-        from toktok._toktok import Tokenizer  # noqa: PLC0415 (optional, loaded on demand)
-
-        # The full encoder (the package's public API counts tokens only).
-        self._fast = Tokenizer(encoding, "")
+        self._fast = toktok_tokenizer(encoding)
         self._tiktoken = reference._enc._core_bpe
         self._eos = np.array([reference.eos_id], dtype=np.int32)
         try:
@@ -337,10 +335,19 @@ def self_check(reference, encode: Callable[[str], Sequence[int]],
     return None
 
 
-# The compiled modules whose code gives a backend's ids (tiktoken's: the reference's).
-_LIBRARY_MODULES = {"toktok": "toktok._toktok", "rs_bpe": "rs_bpe.bpe",
-                    "bpe_openai": "bpe_openai._bindings",
-                    "riptoken": "riptoken._riptoken"}
+# The compiled modules whose code gives a backend's ids (tiktoken's: the reference's; toktok
+# hands its other texts to rs_bpe).
+_LIBRARY_MODULES = {"toktok": ("toktok._toktok", "rs_bpe.bpe"), "rs_bpe": ("rs_bpe.bpe",),
+                    "bpe_openai": ("bpe_openai._bindings",),
+                    "riptoken": ("riptoken._riptoken",)}
+
+
+def _module_file(name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # its package is not installed
+        return None
+    return spec.origin if spec is not None else None
 
 
 def checked(reference, backend: str, encoding: str, fast: FastBPETokenizer) -> str | None:
@@ -348,9 +355,8 @@ def checked(reference, backend: str, encoding: str, fast: FastBPETokenizer) -> s
     the cache folder (``ingest.cache``) by both, the vocabulary, and the files of both
     libraries and of this module: the first process on a machine runs it (about 0.3 s), later
     ones (every worker) read it."""
-    files = [__file__] + [spec.origin for spec in map(
-        importlib.util.find_spec, (_LIBRARY_MODULES[backend], "tiktoken._tiktoken"))
-        if spec is not None and spec.origin]
+    files = [__file__] + [f for f in map(
+        _module_file, (*_LIBRARY_MODULES[backend], "tiktoken._tiktoken")) if f]
     kind = f"backend-checks/{backend}-{encoding}-{vocabulary_digest(reference._enc)}"
     return cached_by_files(kind, files, lambda: self_check(reference, fast._encode, fast=fast))
 

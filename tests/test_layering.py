@@ -89,7 +89,8 @@ LAYERS = ("ingest", "actors", "jax_side")
 # Packages of the checkout that the product never imports (the CLI starts none of them).
 NOT_IN_PRODUCT = {"benchmarks", "tests", "examples", "cluster"}
 # Everything that may use private names of other libraries, one small adapter per layer.
-PRIVATE_API_ADAPTERS = {"jax_side/private_api.py", "benchmarks/private_api.py"}
+PRIVATE_API_ADAPTERS = {"jax_side/private_api.py", "benchmarks/private_api.py",
+                        "ingest/private_api.py"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -239,8 +240,9 @@ def test_no_module_imports_another_modules_underscore_names_outside_tests():
 
 
 def test_private_apis_of_other_libraries_are_used_only_through_the_adapters():
-    # jax_side.private_api (JAX's batched transfer) and benchmarks.private_api (a raylet's
-    # gRPC channel) hold every such use, each with a fallback to the public API.
+    # jax_side.private_api (JAX's batched transfer), ingest.private_api (toktok's encoder) and
+    # benchmarks.private_api (a raylet's gRPC channel) hold every such use, each with a
+    # fallback.
     found = [use for use in private_uses_outside_tests(project=False)
              if use.split(":")[0] not in PRIVATE_API_ADAPTERS]
     assert found == []
