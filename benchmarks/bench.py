@@ -172,6 +172,11 @@ def _ours_section(out: dict[str, Any], spec: BenchSpec, flags: tuple[str, ...] =
     return out
 
 
+def _late(peer: dict[str, Any]) -> bool:
+    """Whether a peer's first batch came after more than half of its run's wall time."""
+    return peer.get("startup_s", 0) > 0.5 * peer.get("wall_s", float("inf"))
+
+
 def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
     # Rates are the workers' (the run without warm start, whose every row they made); startup
     # and rates with startup are the default run's.
@@ -242,12 +247,13 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
         n: default["tokens_per_s_with_startup"] / p["tokens_per_s_with_startup"]
         for n, p in ok.items() if p["tokens_per_s_with_startup"] > 0}
     # A rate from the first batch on is not a production rate when the batches came in a
-    # burst (benchmarks.peers) or faster than every CPU could tokenize: the batches were made
-    # before the first one. Such a peer is left out of the best peer by that measure, and named.
+    # burst (benchmarks.peers), faster than every CPU could tokenize, or after the run spent
+    # most of its time before its first batch: the batches were made before the first one.
+    # Such a peer is left out of the best peer by that measure, and named.
     fastest = max(limit.get("tokens_per_s", 0), feed_backend.get("tokens_per_s", 0))
     ceiling = cpus * fastest if fastest else float("inf")
     fair = {n: p for n, p in ok.items()
-            if not p.get("bursty") and p["tokens_per_s"] <= ceiling}
+            if not p.get("bursty") and p["tokens_per_s"] <= ceiling and not _late(p)}
     out["bursty_peers"] = sorted(set(ok) - set(fair))
     if fair:
         best = max(fair, key=lambda n: fair[n]["tokens_per_s"])
@@ -552,7 +558,8 @@ def format_table(r: dict[str, Any]) -> str:
         if name in r["ratios"].get("bursty_peers", ()):
             why = (f"batches came in bursts (median gap {sec['median_gap_s'] * 1e3:.1f} ms, "
                    f"mean {sec['mean_gap_s'] * 1e3:.1f} ms)" if sec.get("bursty") else
-                   f"faster than {cpus} CPUs can tokenize")
+                   f"first batch after {sec['startup_s']:.0f} of its {sec['wall_s']:.0f} s"
+                   if _late(sec) else f"faster than {cpus} CPUs can tokenize")
             note = f"{why}: its tokens/s from the first batch counts batches made before it"
         row(PEER_TITLES[name].format(cpus=cpus), sec, note)
     lines += ["", _cpu_table(r)]
@@ -643,7 +650,7 @@ def format_table(r: dict[str, Any]) -> str:
     if "best_peer" in ra:
         lines.append(f"ours / best peer = {ra['ours_over_best_peer']:.2f} ({ra['best_peer']}, "
                      f"tokens/s from the first batch"
-                     + (f"; bursty peers left out: {', '.join(ra['bursty_peers'])}"
+                     + (f"; left out, no production rate: {', '.join(ra['bursty_peers'])}"
                         if ra["bursty_peers"] else "") + f"); steady: "
                      f"{ra['steady_ours_over_best_peer']:.2f} ({ra['steady_best_peer']})")
     if "best_peer_with_startup" in ra:

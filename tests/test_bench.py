@@ -135,6 +135,26 @@ def test_the_grain_target_is_judged_from_the_first_batch_and_steady(name):
     assert f"at most {ceiling:.2f} here" in line
 
 
+def test_a_peer_whose_first_batch_came_late_is_no_best_peer():
+    """A peer that spent most of its run before its first batch delivered batches already
+    made: its rate from the first batch is left out of the best peer, and the table says why."""
+    from benchmarks.bench import _ratios, format_table
+
+    results = json.loads((ROOT / "benchmarks" / "results-cl100k.json").read_text())
+    cpus = results["setting"]["cpus"]
+    ray_data = results["peers"]["ray_data"]  # whole files as blocks: a late first batch
+    assert ray_data["startup_s"] > ray_data["wall_s"] / 2
+    ratios = _ratios(results, cpus)
+    assert "ray_data" in ratios["bursty_peers"] and ratios["best_peer"] != "ray_data"
+    results["ratios"] = ratios
+    (line,) = [x for x in format_table(results).splitlines() if x.startswith("Ray Data")]
+    assert f"first batch after {ray_data['startup_s']:.0f} of its" in line
+    # The same peer with its first batch before half its run is a production rate again.
+    ray_data["startup_s"] = 0.4 * ray_data["wall_s"]
+    ray_data["tokens_per_s"] = 1.0  # and slower than the others: no best peer either way
+    assert "ray_data" not in _ratios(results, cpus)["bursty_peers"]
+
+
 def test_a_ratio_just_under_its_target_is_not_printed_as_reaching_it():
     from benchmarks.bench import _against
 
