@@ -7,8 +7,8 @@ The local batch ``[6, rows, seq_len]`` becomes one ``jax.Array`` per field of sh
 transfer (``private_api.put_arrays``). The rows are assembled on the feed's thread; the
 transfer runs on the consumer's (``AssembledStep.arrays``), the thread that dispatches the
 training step: with 8 CPU devices, transfers issued on another thread while a jitted step's
-all-reduce launched left one device out of the collective's rendezvous now and then, and XLA
-aborted the process after 40 s (the README's example, 1 to 3 passes of 241 steps)::
+all-reduce launches can leave one device out of the collective's rendezvous, and XLA then
+aborts the process after 40 s::
 
     host rows  stream 0: r0 r1 | stream 1: r0 pad     k = 2
     local      [6, 4, seq_len] -> inputs, targets, ... each [B, seq_len] on the sharding
