@@ -254,7 +254,7 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
     ceiling = cpus * fastest if fastest else float("inf")
     fair = {n: p for n, p in ok.items()
             if not p.get("bursty") and p["tokens_per_s"] <= ceiling and not _late(p)}
-    out["bursty_peers"] = sorted(set(ok) - set(fair))
+    out["peers_left_out"] = sorted(set(ok) - set(fair))
     if fair:
         best = max(fair, key=lambda n: fair[n]["tokens_per_s"])
         out.update(best_peer=best, ours_over_best_peer=out["ours_over_each_peer"][best])
@@ -555,7 +555,7 @@ def format_table(r: dict[str, Any]) -> str:
                      f"{_mib(host.get('max_process_bytes'))} MiB)")
     for name, sec in r["peers"].items():
         note = ""
-        if name in r["ratios"].get("bursty_peers", ()):
+        if name in r["ratios"].get("peers_left_out", ()):
             why = (f"batches came in bursts (median gap {sec['median_gap_s'] * 1e3:.1f} ms, "
                    f"mean {sec['mean_gap_s'] * 1e3:.1f} ms)" if sec.get("bursty") else
                    f"first batch after {sec['startup_s']:.0f} of its {sec['wall_s']:.0f} s"
@@ -650,8 +650,8 @@ def format_table(r: dict[str, Any]) -> str:
     if "best_peer" in ra:
         lines.append(f"ours / best peer = {ra['ours_over_best_peer']:.2f} ({ra['best_peer']}, "
                      f"tokens/s from the first batch"
-                     + (f"; left out, no production rate: {', '.join(ra['bursty_peers'])}"
-                        if ra["bursty_peers"] else "") + f"); steady: "
+                     + (f"; left out, no production rate: {', '.join(ra['peers_left_out'])}"
+                        if ra["peers_left_out"] else "") + f"); steady: "
                      f"{ra['steady_ours_over_best_peer']:.2f} ({ra['steady_best_peer']})")
     if "best_peer_with_startup" in ra:
         lines.append(f"ours / best peer counting startup = "

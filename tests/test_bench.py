@@ -145,14 +145,14 @@ def test_a_peer_whose_first_batch_came_late_is_no_best_peer():
     ray_data = results["peers"]["ray_data"]  # whole files as blocks: a late first batch
     assert ray_data["startup_s"] > ray_data["wall_s"] / 2
     ratios = _ratios(results, cpus)
-    assert "ray_data" in ratios["bursty_peers"] and ratios["best_peer"] != "ray_data"
+    assert "ray_data" in ratios["peers_left_out"] and ratios["best_peer"] != "ray_data"
     results["ratios"] = ratios
     (line,) = [x for x in format_table(results).splitlines() if x.startswith("Ray Data")]
     assert f"first batch after {ray_data['startup_s']:.0f} of its" in line
     # The same peer with its first batch before half its run is a production rate again.
     ray_data["startup_s"] = 0.4 * ray_data["wall_s"]
     ray_data["tokens_per_s"] = 1.0  # and slower than the others: no best peer either way
-    assert "ray_data" not in _ratios(results, cpus)["bursty_peers"]
+    assert "ray_data" not in _ratios(results, cpus)["peers_left_out"]
 
 
 def test_a_ratio_just_under_its_target_is_not_printed_as_reaching_it():
