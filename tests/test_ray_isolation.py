@@ -156,7 +156,7 @@ class Head:
     def __init__(self, ray_tmp: Path, num_cpus: int = 1, attempts: int = 3):
         self.temp_dir = ray_tmp / "ray"  # Ray's default temp dir under RAY_TMPDIR
         self.env = env_for(ray_tmp)
-        failures = []
+        last = ""
         # `ray start` gives the raylet a fixed 30 s to register with the GCS; on a loaded 2-CPU
         # machine that can pass, so a failed start is cleaned up and tried again on new ports.
         for _ in range(attempts):
@@ -166,9 +166,9 @@ class Head:
             if not out.returncode:
                 self.address = f"127.0.0.1:{self.port}"
                 return
-            failures.append(f"{out.stdout[-1500:]}{out.stderr[-1500:]}{self._log_tails()}")
+            last = f"{out.stdout[-1500:]}{out.stderr[-1500:]}{self._log_tails()}"
             self.stop()
-        pytest.fail(f"`ray start --head` failed {attempts} times; the last:\n{failures[-1]}")
+        pytest.fail(f"`ray start --head` failed {attempts} times; the last:\n{last}")
 
     def _command(self, num_cpus: int) -> list[str]:
         bin_dir = Path(sys.executable).parent
