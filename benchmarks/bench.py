@@ -14,8 +14,11 @@ deadline:
                    speed moved in between (``limit_drift``)
     2 ours         ``ingest run CONFIG --json``: Ray, one worker per CPU, global arrays on a
                    mesh of the local devices; process-tree RSS and CPU time sampled; again
-                   with ``--no-warm-start`` (the workers' own rate: the training step's
-                   time per batch is set from it)
+                   with ``--no-warm-start``, five times (once with --quick), each run
+                   followed by the tokenizer's limit again (the workers' own rate: the
+                   ratios to the limit are the median of the runs' ratios, each to the mean
+                   of the limit's measures on either side of it; the training step's time
+                   per batch is set from the median steady rate)
     3 peers        grain (one process, and mp_prefetch with one process per CPU), Ray Data,
                    each on the feed's tokenizer backend; grain again on tiktoken where the
                    feed's backend is a faster one
@@ -40,6 +43,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from typing import Any
@@ -64,6 +68,10 @@ DRIFT_WARNING = 0.05  # the tokenizer's limit moving more than this between its 
 # Per-subprocess deadlines. A full demo run takes ~20 s here; quick runs take a few seconds
 # each plus startup. Generous, so that a loaded machine is slow but never cut off.
 TIMEOUT_S = {"full": 900.0, "quick": 120.0}
+# The workers' runs (--no-warm-start), each between two measures of the tokenizer's limit: on a
+# shared machine the speed of a core moves by up to a fifth within minutes, and the ratios to
+# the limit take the median of the runs' ratios.
+WORKER_RUNS = {"full": 5, "quick": 1}
 PEERS = ("grain", "grain_mp", "ray_data")
 # Run again with tiktoken where the feed's backend is a faster one.
 TIKTOKEN_PEERS = ("grain", "grain_mp")
@@ -72,8 +80,8 @@ PEER_TITLES = {"grain": "grain, 1 process", "grain_mp": "grain mp_prefetch({cpus
                "grain_tiktoken": "grain, 1 process, tiktoken",
                "grain_mp_tiktoken": "grain mp_prefetch({cpus}), tiktoken"}
 # The sections every results file has (the smoke test checks them).
-SECTIONS = ("machine", "versions", "setting", "limit", "ours", "peers", "host_assembly",
-            "training_step", "scaling", "ratios")
+SECTIONS = ("machine", "versions", "setting", "limit", "ours", "worker_runs", "peers",
+            "host_assembly", "training_step", "scaling", "ratios")
 
 
 def _log(msg: str) -> None:
@@ -172,6 +180,55 @@ def _ours_section(out: dict[str, Any], spec: BenchSpec, flags: tuple[str, ...] =
     return out
 
 
+def _worker_run(ours: dict[str, Any], before: dict[str, Any] | float | None,
+                after: dict[str, Any] | float | None) -> dict[str, Any]:
+    """One workers' run's rates, with the tokenizer limit measured before and after it."""
+    def rate(x):
+        return x.get("tokens_per_s") if isinstance(x, dict) else x
+
+    out = {"limit_before": rate(before), "limit_after": rate(after)}
+    if "error" in ours:
+        return {**out, "error": ours["error"]}
+    return {**out, **{k: ours[k] for k in ("tokens_per_s", "steady_tokens_per_s")
+                      if k in ours}}
+
+
+def workers_rates(results: dict[str, Any]) -> dict[str, Any]:
+    """The workers' rates and their ratios to the limit, over the workers' runs: each run's
+    ratio divides by the mean of the limit's measures on either side of it, and every figure
+    is the median over the runs. Without runs (a failed one), the --no-warm-start run's."""
+    cpus = results["setting"]["cpus"]
+    runs = [r for r in results.get("worker_runs", ()) if r.get("tokens_per_s")]
+    if not runs:
+        cold = results.get("ours_no_warm_start", {})
+        if "tokens_per_s" not in cold:
+            return {}
+        runs = [_worker_run(cold, results["limit"].get("tokenizer", {}), None)]
+    out: dict[str, Any] = {"runs": len(runs)}
+    rates = [r["tokens_per_s"] for r in runs]
+    steadies = [r.get("steady_tokens_per_s") or r["tokens_per_s"] for r in runs]
+    out["tokens_per_s"] = statistics.median(rates)
+    out["steady_tokens_per_s"] = statistics.median(steadies)
+    limits = [[x for x in (r["limit_before"], r["limit_after"]) if x] for r in runs]
+    if all(limits):
+        means = [statistics.fmean(x) for x in limits]
+        out["ratios"] = [a / (cpus * m) for a, m in zip(rates, means, strict=True)]
+        out["steady_ratios"] = [a / (cpus * m) for a, m in zip(steadies, means, strict=True)]
+        out["ours_over_cpus_x_limit"] = statistics.median(out["ratios"])
+        out["steady_ours_over_cpus_x_limit"] = statistics.median(out["steady_ratios"])
+    return out
+
+
+def _median_seconds_per_batch(results: dict[str, Any]) -> float | None:
+    """The workers' steady time per batch at the median of their runs' steady rates (the
+    runs make the same batches): the training step is set from it."""
+    cold = results.get("ours_no_warm_start", {})
+    rate = workers_rates(results).get("steady_tokens_per_s")
+    if not rate or not cold.get("steps"):
+        return None
+    return cold["tokens"] / cold["steps"] / rate
+
+
 def _late(peer: dict[str, Any]) -> bool:
     """Whether a peer's first batch came after more than half of its run's wall time."""
     return peer.get("startup_s", 0) > 0.5 * peer.get("wall_s", float("inf"))
@@ -197,12 +254,17 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
         out["error"] = "our run failed; no ratio"
         return out
     out["rates_from"] = "ours_no_warm_start" if ours is cold else "ours"
-    steady = ours.get("steady_tokens_per_s") or ours["tokens_per_s"]
+    # The workers' runs' medians (workers_rates); the default run's rates where those failed.
+    runs = workers_rates(results) if ours is cold else {}
+    rate = runs.get("tokens_per_s", ours["tokens_per_s"])
+    steady = runs.get("steady_tokens_per_s",
+                      ours.get("steady_tokens_per_s") or ours["tokens_per_s"])
+    out["worker_runs"] = runs.get("runs", 1)
     # grain on the same tokenizer and backend as ours
     grains = [p for n, p in results["peers"].items()
               if n in ("grain", "grain_mp") and p.get("tokens_per_s")]
     if grains:
-        out["ours_over_grain"] = ours["tokens_per_s"] / max(p["tokens_per_s"] for p in grains)
+        out["ours_over_grain"] = rate / max(p["tokens_per_s"] for p in grains)
         out["meets_grain_target"] = out["ours_over_grain"] >= TARGET_OVER_GRAIN
         # The same over each run's later part, where a grain run has one.
         out["steady_ours_over_grain"] = steady / max(
@@ -216,9 +278,14 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
             out["grain_ceiling"] = cpus * backend["tokens_per_s"] / max(
                 p["tokens_per_s"] for p in grains)
     if "tokens_per_s" in limit:
-        out["ours_over_cpus_x_limit"] = ours["tokens_per_s"] / (cpus * limit["tokens_per_s"])
+        out["ours_over_cpus_x_limit"] = runs.get("ours_over_cpus_x_limit",
+                                                 rate / (cpus * limit["tokens_per_s"]))
         out["meets_target"] = out["ours_over_cpus_x_limit"] >= out["target_of_limit"]
-        out["steady_ours_over_cpus_x_limit"] = steady / (cpus * limit["tokens_per_s"])
+        out["steady_ours_over_cpus_x_limit"] = runs.get("steady_ours_over_cpus_x_limit",
+                                                        steady / (cpus * limit["tokens_per_s"]))
+        if "ratios" in runs:
+            out["ours_over_cpus_x_limit_by_run"] = runs["ratios"]
+            out["steady_ours_over_cpus_x_limit_by_run"] = runs["steady_ratios"]
         out["meets_target_steady"] = (out["steady_ours_over_cpus_x_limit"]
                                       >= out["target_of_limit"])
         out["ours_with_startup_over_cpus_x_limit"] = (
@@ -238,10 +305,10 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
         # How much of the gap is the worker's own code path, how much the orchestration.
         out["produce_over_limit"] = produce["tokens_per_s"] / limit.get("tokens_per_s", 0) \
             if "tokens_per_s" in limit else None
-        out["ours_over_cpus_x_produce"] = ours["tokens_per_s"] / (cpus * produce["tokens_per_s"])
+        out["ours_over_cpus_x_produce"] = rate / (cpus * produce["tokens_per_s"])
         out["steady_ours_over_cpus_x_produce"] = steady / (cpus * produce["tokens_per_s"])
     ok = {n: p for n, p in results["peers"].items() if "tokens_per_s" in p}
-    out["ours_over_each_peer"] = {n: ours["tokens_per_s"] / p["tokens_per_s"]
+    out["ours_over_each_peer"] = {n: rate / p["tokens_per_s"]
                                   for n, p in ok.items() if p["tokens_per_s"] > 0}
     out["ours_over_each_peer_with_startup"] = {
         n: default["tokens_per_s_with_startup"] / p["tokens_per_s_with_startup"]
@@ -308,6 +375,18 @@ class _Runner:
         extra = ["--workers", str(workers)] if workers else []
         out = self.program("jax_side.run", [*self.run_args, *extra, *flags], "ingest run")
         return _ours_section(out, self.spec, flags)
+
+    def worker_runs(self, limit: dict[str, Any], first: dict[str, Any]) -> list[dict[str, Any]]:
+        """The workers' run (``first``, between the limit and its measure right after) and
+        more of them, each followed by the limit again: each run's rates with the limit's
+        measures on either side of it."""
+        runs = [_worker_run(first, limit.get("tokenizer", {}),
+                            limit.get("tokenizer_after_ours", {}))]
+        for i in range(1, WORKER_RUNS["quick" if self.spec.quick else "full"]):
+            ours = self.ours(None, "--no-warm-start")
+            after = self.limit("tokenizer", f"tokenizer after run {i + 1} of ours")
+            runs.append(_worker_run(ours, runs[-1]["limit_after"], after))
+        return runs
 
     def scaling(self, ours: dict[str, Any], limit: dict[str, Any]) -> dict[str, Any]:
         """``ingest run --no-warm-start`` at each worker count of the sweep (``ours`` is the
@@ -392,7 +471,9 @@ def run_bench(config: str | None, *, quick: bool, steps: int | None, command: st
         # The tokenizer's limit again: how far the machine's speed moved since the first.
         results["limit"]["tokenizer_after_ours"] = runner.limit("tokenizer",
                                                                 "tokenizer_after_ours")
-        per_batch = (results["ours_no_warm_start"].get("steady_seconds_per_batch")
+        results["worker_runs"] = runner.worker_runs(results["limit"],
+                                                    results["ours_no_warm_start"])
+        per_batch = (_median_seconds_per_batch(results)
                      or results["ours"].get("steady_seconds_per_batch"))
         results["training_step"] = runner.training_step(per_batch)
         results["training_step_no_warm_start"] = runner.training_step(per_batch,
@@ -464,6 +545,14 @@ def _against(x: float, target: float) -> str:
     against 0.85)."""
     two = f"{x:.2f}"
     return f"{x:.3f}" if x < target <= float(two) else two
+
+
+def _by_run(ratios: list[float] | None) -> str:
+    """Each workers' run's ratio, where there were several (the figure before is their
+    median)."""
+    if not ratios or len(ratios) < 2:
+        return ""
+    return f"(median of {', '.join(f'{x:.2f}' for x in ratios)}) "
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -545,6 +634,11 @@ def format_table(r: dict[str, Any]) -> str:
         if ours.get("warm_start_rows") else ""))
     if "ours_no_warm_start" in r:
         row("  the same, --no-warm-start", r["ours_no_warm_start"])
+    runs = [x for x in r.get("worker_runs", ()) if x.get("tokens_per_s")]
+    if len(runs) > 1:
+        lines.append(f"{'':<{w[0]}}  {len(runs)} runs of it, each between two measures of the "
+                     f"limit: " + ", ".join(_tok(x["tokens_per_s"]) for x in runs)
+                     + " tokens/s; the ratios below take the median")
     mem = ours.get("memory") or {}
     if (mem.get("workers") or {}).get("max_process_bytes"):
         wk, host = mem["workers"], mem.get("host") or {}
@@ -610,7 +704,8 @@ def format_table(r: dict[str, Any]) -> str:
     if "ours_over_cpus_x_limit" in ra:
         lines.append(f"ours / ({cpus} x single-core limit) = "
                      f"{_against(ra['ours_over_cpus_x_limit'], ra['target_of_limit'])} "
-                     f"(target {ra['target_of_limit']}: "
+                     + _by_run(ra.get("ours_over_cpus_x_limit_by_run"))
+                     + f"(target {ra['target_of_limit']}: "
                      + ("not judged: --quick runs fewer steps than the chunks made before "
                         "the first batch hold" if r["mode"] == "quick" else
                         f"{'met' if ra['meets_target'] else 'missed'}") + ")"
@@ -620,7 +715,8 @@ def format_table(r: dict[str, Any]) -> str:
     if "steady_ours_over_cpus_x_limit" in ra and r["mode"] != "quick":
         lines.append(f"steady: ours / ({cpus} x single-core limit) = "
                      f"{_against(ra['steady_ours_over_cpus_x_limit'], ra['target_of_limit'])} "
-                     f"(target {ra['target_of_limit']}: "
+                     + _by_run(ra.get("steady_ours_over_cpus_x_limit_by_run"))
+                     + f"(target {ra['target_of_limit']}: "
                      f"{'met' if ra['meets_target_steady'] else 'missed'}); ours / ({cpus} x "
                      f"our produce) = {ra.get('steady_ours_over_cpus_x_produce', 0):.2f}")
     if "default_run_over_cpus_x_limit" in ra and r["mode"] != "quick":
