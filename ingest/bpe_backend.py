@@ -66,7 +66,7 @@ log = logging.getLogger("ingest.tokenize")
 # long-piece check included: the demo corpus tiktoken 3.2 M tokens/s, riptoken 4.5 M (1.38x);
 # tiny documents 3.0 M and 4.2 M (1.42x).
 # toktok (its other documents on rs_bpe) on the demo corpus through the feed's call, on the
-# benchmark's machine: 12.9 M tokens/s against tiktoken's 2.9 M (4.4x).
+# benchmark's machine: 12.9 - 14.7 M tokens/s against tiktoken's 2.8 - 2.9 M (4.4 - 5.2x).
 FASTEST_FIRST = ("toktok", "rs_bpe", "bpe_openai", "riptoken")
 # Vocabularies (tokenizer specs) each backend is proven on, and its name there.
 PROVEN = {"toktok": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
