@@ -180,13 +180,11 @@ def _ours_section(out: dict[str, Any], spec: BenchSpec, flags: tuple[str, ...] =
     return out
 
 
-def _worker_run(ours: dict[str, Any], before: dict[str, Any] | float | None,
-                after: dict[str, Any] | float | None) -> dict[str, Any]:
-    """One workers' run's rates, with the tokenizer limit measured before and after it."""
-    def rate(x):
-        return x.get("tokens_per_s") if isinstance(x, dict) else x
-
-    out = {"limit_before": rate(before), "limit_after": rate(after)}
+def _worker_run(ours: dict[str, Any], before: float | None, after: float | None
+                ) -> dict[str, Any]:
+    """One workers' run's rates, with the tokenizer limit (tokens/s) measured before and
+    after it (None where that measure failed)."""
+    out = {"limit_before": before, "limit_after": after}
     if "error" in ours:
         return {**out, "error": ours["error"]}
     return {**out, **{k: ours[k] for k in ("tokens_per_s", "steady_tokens_per_s")
@@ -203,7 +201,8 @@ def workers_rates(results: dict[str, Any]) -> dict[str, Any]:
         cold = results.get("ours_no_warm_start", {})
         if "tokens_per_s" not in cold:
             return {}
-        runs = [_worker_run(cold, results["limit"].get("tokenizer", {}), None)]
+        runs = [_worker_run(cold, results["limit"].get("tokenizer", {}).get("tokens_per_s"),
+                            None)]
     out: dict[str, Any] = {"runs": len(runs)}
     rates = [r["tokens_per_s"] for r in runs]
     steadies = [r.get("steady_tokens_per_s") or r["tokens_per_s"] for r in runs]
@@ -380,12 +379,12 @@ class _Runner:
         """The workers' run (``first``, between the limit and its measure right after) and
         more of them, each followed by the limit again: each run's rates with the limit's
         measures on either side of it."""
-        runs = [_worker_run(first, limit.get("tokenizer", {}),
-                            limit.get("tokenizer_after_ours", {}))]
+        runs = [_worker_run(first, limit.get("tokenizer", {}).get("tokens_per_s"),
+                            limit.get("tokenizer_after_ours", {}).get("tokens_per_s"))]
         for i in range(1, WORKER_RUNS["quick" if self.spec.quick else "full"]):
             ours = self.ours(None, "--no-warm-start")
             after = self.limit("tokenizer", f"tokenizer after run {i + 1} of ours")
-            runs.append(_worker_run(ours, runs[-1]["limit_after"], after))
+            runs.append(_worker_run(ours, runs[-1]["limit_after"], after.get("tokens_per_s")))
         return runs
 
     def scaling(self, ours: dict[str, Any], limit: dict[str, Any]) -> dict[str, Any]:
