@@ -53,7 +53,7 @@ __all__ = ["classify", "main", "split_samples", "top_symbols"]
 _LINE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s*\((.*)\)\s*$")
 # Each tokenizer library's shared object, by its package directory and file name.
 _TOKENIZER_LIBS = ("tiktoken/_tiktoken", "tokenizers/tokenizers.", "riptoken/_riptoken",
-                   "toktok/_toktok", "rs_bpe/bpe.", "bpe_openai/_bindings")
+                   "tuetoken/_core", "toktok/_toktok", "rs_bpe/bpe.", "bpe_openai/_bindings")
 _WORKER_LIBS = (("python", ("libpython",)),
                 ("numpy", ("_multiarray", "numpy", "bit_generator", "_generator")),
                 ("arrow", ("libarrow", "libparquet", "pyarrow", "lib.cpython")),

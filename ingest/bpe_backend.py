@@ -49,12 +49,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ingest.bpe_tuetoken import GuardedTuetoken
 from ingest.cache import cached_by_files
 from ingest.private_api import toktok_tokenizer
 
 __all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
-           "adversarial_texts", "checked", "int32_ids", "lists_with_eos", "load_encoder",
-           "load_joined_encoder", "long_piece_possible", "probe_texts", "self_check"]
+           "adversarial_texts", "checked", "int32_ids", "lists_with_eos", "load_docs_encoder",
+           "load_encoder", "load_joined_encoder", "long_piece_possible", "probe_texts",
+           "self_check"]
 
 log = logging.getLogger("ingest.tokenize")
 
@@ -67,11 +69,12 @@ log = logging.getLogger("ingest.tokenize")
 # tiny documents 3.0 M and 4.2 M (1.42x).
 # toktok (its other documents on rs_bpe) on the demo corpus through the feed's call, on the
 # benchmark's machine: 12.9 - 14.7 M tokens/s against tiktoken's 2.8 - 2.9 M (4.4 - 5.2x).
-FASTEST_FIRST = ("toktok", "rs_bpe", "bpe_openai", "riptoken")
+FASTEST_FIRST = ("toktok", "tuetoken", "rs_bpe", "bpe_openai", "riptoken")
 # Vocabularies (tokenizer specs) each backend is proven on, and its name there.
 PROVEN = {"toktok": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
           "rs_bpe": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
           "bpe_openai": {"cl100k": "cl100k_base", "cl100k_base": "cl100k_base"},
+          "tuetoken": {"gpt2": "gpt2"},
           "riptoken": {"gpt2": "gpt2"}}
 
 _NO_SPECIALS: frozenset[str] = frozenset()
@@ -133,6 +136,8 @@ def load_encoder(backend: str, encoding: str, reference=None) -> Callable[[str],
     tokenizer ``reference``, whose ranks it is built from)."""
     if backend == "riptoken":
         return _GuardedRiptoken(reference._enc).encode_ordinary
+    if backend == "tuetoken":
+        return _guarded_tuetoken(reference).encode_ordinary
     if backend == "toktok":
         return _ascii_toktok(encoding, reference).encode_ordinary
     if backend == "rs_bpe":
@@ -156,6 +161,20 @@ def load_joined_encoder(backend: str, reference) -> Callable[[str, frozenset], o
     if backend == "toktok":
         return _ascii_toktok(PROVEN["toktok"][reference.name], reference).encode
     return None
+
+
+def load_docs_encoder(backend: str, reference
+                      ) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]] | None:
+    """The backend's call that gives ``Tokenizer.encode_docs``'s layout for a list of
+    documents in one call; None where the backend has none."""
+    if backend == "tuetoken":
+        return _guarded_tuetoken(reference).encode_docs
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded_tuetoken(reference) -> GuardedTuetoken:
+    return GuardedTuetoken(reference, f"{reference.name}-{vocabulary_digest(reference._enc)}")
 
 
 def _runs(text: str, sep: str, key: Callable[[str], bool]) -> Iterator[tuple[bool, str]]:
@@ -279,11 +298,14 @@ class FastBPETokenizer:
     """
 
     def __init__(self, reference, backend: str, encode: Callable[[str], Sequence[int]],
-                 encode_joined: Callable[[str, frozenset], object] | None = None):
+                 encode_joined: Callable[[str, frozenset], object] | None = None,
+                 encode_docs: Callable[[list[str]], tuple[np.ndarray, np.ndarray]] | None
+                 = None):
         self.reference = reference
         self.backend = backend
         self._encode = encode
         self._encode_joined = encode_joined
+        self._encode_docs = encode_docs
         self.fallbacks = 0
 
     def __getattr__(self, name: str):
@@ -302,6 +324,11 @@ class FastBPETokenizer:
         return [int32_ids(ids, len(ids)) for ids in map(self._ids, texts)]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._encode_docs is not None and texts:
+            try:
+                return self._encode_docs(texts)
+            except Exception:  # noqa: BLE001 (a text it cannot take: one call per document)
+                pass
         if self._encode_joined is not None and texts:
             try:
                 joined = self.reference.encode_joined(self._encode_joined, texts)
@@ -340,6 +367,7 @@ def self_check(reference, encode: Callable[[str], Sequence[int]],
 # hands its other texts to rs_bpe).
 _LIBRARY_MODULES = {"toktok": ("toktok._toktok", "rs_bpe.bpe"), "rs_bpe": ("rs_bpe.bpe",),
                     "bpe_openai": ("bpe_openai._bindings",),
+                    "tuetoken": ("tuetoken._core", "ingest.bpe_tuetoken"),
                     "riptoken": ("riptoken._riptoken",)}
 
 
@@ -403,7 +431,8 @@ def accelerate(reference, spec: str, backend: str):
         try:
             fast = FastBPETokenizer(reference, name, load_encoder(name, PROVEN[name][spec],
                                                                   reference),
-                                    load_joined_encoder(name, reference))
+                                    load_joined_encoder(name, reference),
+                                    load_docs_encoder(name, reference))
         except ImportError as e:
             if backend != "auto":
                 raise ValueError(f"tokenizer_backend={backend!r} needs its library: pip "

@@ -90,7 +90,7 @@ def test_backend_ids_equal_tiktoken_wherever_it_is_used(vocab, backend, corpus_t
         assert getattr(load_tokenizer(vocab, "auto"), "backend", "tiktoken") != backend
         with pytest.raises(ValueError, match="is proven on tokenizer"):
             load_tokenizer(vocab, backend)
-        if backend != "riptoken":  # the library indeed has no offline encoding of it
+        if backend not in ("riptoken", "tuetoken"):  # no offline encoding of it there
             with pytest.raises(Exception):  # noqa: B017,PT011 (the library's own error)
                 load_encoder(backend, vocab)
         return
@@ -124,7 +124,7 @@ def test_backend_ids_equal_tiktoken_wherever_it_is_used(vocab, backend, corpus_t
 
 def test_auto_is_the_fastest_proven_backend_and_tiktoken_is_tiktoken():
     assert load_tokenizer("cl100k").backend == FASTEST_FIRST[0]
-    assert load_tokenizer("gpt2").backend == "riptoken"
+    assert load_tokenizer("gpt2").backend == "tuetoken"
     for vocab in BUNDLED:
         assert isinstance(load_tokenizer(vocab, "tiktoken"), TiktokenTokenizer)
 
@@ -170,6 +170,53 @@ def test_riptoken_gives_tiktoken_ids_around_the_long_piece_size(vocab):
             got, want = fast.encode_docs(texts[i:i + k]), reference.encode_docs(texts[i:i + k])
             assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), i
     assert fast.fallbacks == 0
+
+
+def _code_points_in_contexts() -> list[str]:
+    """Every code point of the planes Unicode assigns (0 - 3 and 14; no surrogates), where
+    its class (letter, digit, other, whitespace) changes the pieces: before a contraction,
+    between digits, after a space and a letter."""
+    points = [chr(c) for c in (*range(0x40000), *range(0xE0000, 0xF0000))
+              if not 0xD800 <= c < 0xE000]
+    return [f"{c}'s" for c in points] + [f"1{c}2 x{c}'t" for c in points[::7]]
+
+
+@pytest.mark.slow
+def test_tuetoken_gives_tiktoken_ids_on_every_code_point():
+    """tuetoken's Unicode tables are older than tiktoken's: the texts whose ids it gets wrong
+    are all flagged by the guard (so go to tiktoken), and the backend's ids are tiktoken's."""
+    import tuetoken
+
+    from ingest.bpe_tuetoken import needs_tiktoken, tokenizer_json
+
+    reference = load_tokenizer("gpt2", "tiktoken")
+    fast = load_tokenizer("gpt2", "tuetoken")
+    texts = _code_points_in_contexts()
+    want_tokens, want_eos = reference.encode_docs(texts)
+    raw = tuetoken.Tokenizer(tokenizer_json(reference._enc, "gpt2-test"))
+    out = raw.encode_ordinary_to_buffer(texts, 1)
+    want = np.split(want_tokens, want_eos + 1)[:-1]
+    wrong = {i for i in range(len(texts)) if not np.array_equal(
+        out["data"][out["offsets"][i]:out["offsets"][i + 1]], want[i][:-1])}
+    assert len(wrong) > 1000  # the guard is needed: Unicode 16's letters, at least
+    assert wrong <= set(needs_tiktoken(texts))
+    got_tokens, got_eos = fast.encode_docs(texts)
+    assert np.array_equal(got_tokens, want_tokens) and np.array_equal(got_eos, want_eos)
+
+
+def test_tuetoken_is_not_used_past_the_unicode_it_is_proven_on(monkeypatch, request):
+    import ingest.bpe_backend as bpe_backend
+    import ingest.bpe_tuetoken as bpe_tuetoken
+
+    reference = load_tokenizer("gpt2", "tiktoken")
+    monkeypatch.setattr(bpe_tuetoken, "NEWEST_UNICODE", (13, 0))  # older than this Python's
+    bpe_backend._guarded_tuetoken.cache_clear()  # made again, and refused
+    request.addfinalizer(bpe_backend._guarded_tuetoken.cache_clear)
+    with pytest.raises(ImportError, match="newer than the 13.0"):
+        bpe_tuetoken.GuardedTuetoken(reference, "gpt2-test")
+    assert accelerate(reference, "gpt2", "auto").backend == "riptoken"
+    with pytest.raises(ValueError, match="needs its library"):
+        accelerate(reference, "gpt2", "tuetoken")
 
 
 def ascii_texts(n: int, seed: int) -> list[str]:
@@ -286,8 +333,11 @@ def test_documents_a_backend_cannot_take_go_to_tiktoken():
         reference.encode_batch(["a\ud800b"])
     with pytest.raises(UnicodeEncodeError):
         load_tokenizer("cl100k", "rs_bpe").encode_batch(["a\ud800b"])
-    with pytest.raises(UnicodeEncodeError):
-        load_tokenizer("gpt2", "riptoken").encode_batch(["a\ud800b"])
+    for backend in ("riptoken", "tuetoken"):
+        with pytest.raises(UnicodeEncodeError):
+            load_tokenizer("gpt2", backend).encode_batch(["a\ud800b"])
+        with pytest.raises(UnicodeEncodeError):
+            load_tokenizer("gpt2", backend).encode_docs(["ok", "a\ud800b"])
 
 
 def test_named_backends_are_checked():

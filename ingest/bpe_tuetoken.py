@@ -1,0 +1,178 @@
+"""tuetoken as an exact GPT-2 backend: a ``tokenizer.json`` from tiktoken's own ranks, and
+the characters on which its pre-tokenizer and tiktoken's disagree sent to tiktoken.
+
+tuetoken splits text into pieces with Unicode tables older than tiktoken's: the letters and
+digits that Unicode 16.0 added (5,004 code points, ``UNICODE_16_LETTERS_AND_DIGITS``) are
+letters or digits to tiktoken and neither to tuetoken, so a text holding one may be cut into
+other pieces (``"\\u1c89's"``: tiktoken ``[157, 110, 231, 338]``, tuetoken ``[..., 6, 82]``).
+A text that holds such a character, or any character this Python's ``unicodedata`` has not
+assigned (those a later Unicode may make letters, to a later tiktoken), is encoded by
+tiktoken (``needs_tiktoken``); on every other code point, in every context tried, the ids are
+tiktoken's. ASCII texts (``str.isascii``, which CPython answers without a scan) need no check.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import tempfile
+import unicodedata
+
+import numpy as np
+
+from ingest.cache import cache_root, write_atomically
+
+__all__ = ["UNICODE_16_LETTERS_AND_DIGITS", "GuardedTuetoken", "needs_tiktoken",
+           "tokenizer_json"]
+
+log = logging.getLogger("ingest.tokenize")
+
+# The ranges (first, last) of letters and decimal digits new in Unicode 16.0.
+UNICODE_16_LETTERS_AND_DIGITS = (
+    (0x1C89, 0x1C8A), (0xA7CB, 0xA7CD), (0xA7DA, 0xA7DC), (0x105C0, 0x105F3),
+    (0x10D40, 0x10D65), (0x10D6F, 0x10D85), (0x10EC2, 0x10EC4), (0x11380, 0x11389),
+    (0x1138B, 0x1138B), (0x1138E, 0x1138E), (0x11390, 0x113B5), (0x113B7, 0x113B7),
+    (0x113D1, 0x113D1), (0x113D3, 0x113D3), (0x116D0, 0x116E3), (0x11BC0, 0x11BE0),
+    (0x11BF0, 0x11BF9), (0x13460, 0x143FA), (0x16100, 0x1611D), (0x16130, 0x16139),
+    (0x16D40, 0x16D6C), (0x16D70, 0x16D79), (0x18CFF, 0x18CFF), (0x1CCF0, 0x1CCF9),
+    (0x1E5D0, 0x1E5ED), (0x1E5F0, 0x1E5FA), (0x2EBF0, 0x2EE5D))
+# unicodedata's tables past this version may call letters what tuetoken's do not, and no
+# longer mark them unassigned: the backend is then not used.
+NEWEST_UNICODE = (16, 0)
+
+
+@functools.cache
+def _tiktoken_only() -> np.ndarray:
+    """A flag per code point: True where a text holding it goes to tiktoken (about 0.3 s,
+    once per process that meets a text that is not ASCII)."""
+    flags = np.zeros(0x110000, dtype=bool)
+    for first, last in UNICODE_16_LETTERS_AND_DIGITS:
+        flags[first:last + 1] = True
+    category = unicodedata.category
+    flags[[c for c in range(0x110000) if category(chr(c)) == "Cn"]] = True
+    return flags
+
+
+def needs_tiktoken(texts: list[str]) -> list[int]:
+    """The indices of ``texts`` that hold a character tuetoken may split otherwise: all but
+    the ASCII ones are looked up, at about 300 M characters a second."""
+    other = [i for i, t in enumerate(texts) if not t.isascii()]
+    if not other:
+        return []
+    flags = _tiktoken_only()
+    codes = np.frombuffer("".join([texts[i] for i in other]).encode("utf-32-le",
+                                                                    "surrogatepass"),
+                          dtype=np.uint32)
+    if not flags[codes].any():
+        return []
+    return [i for i in other if flags[np.frombuffer(texts[i].encode(
+        "utf-32-le", "surrogatepass"), dtype=np.uint32)].any()]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the character HF tokenizers writes for it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = dict(zip(printable, printable, strict=True))
+    extra = 256
+    for b in range(256):
+        if b not in chars:
+            chars[b] = extra
+            extra += 1
+    return {b: chr(c) for b, c in chars.items()}
+
+
+def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The pair whose merge makes ``token``: its bytes merged by rank down to two parts."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1),
+                   key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 62))
+        if parts[best] + parts[best + 1] not in ranks:
+            return None
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+def tokenizer_json(encoding, name: str) -> str:
+    """The path of a HF ``tokenizer.json`` for the GPT-2 tiktoken ``encoding`` (its ranks as
+    a byte-level BPE: vocabulary, merges in rank order, GPT-2's pre-tokenizer), written to
+    the cache folder by vocabulary ``name`` once (about 0.5 s), else to a temporary file."""
+    path = os.path.join(cache_root(), "tuetoken", f"{name}.json")
+    if os.path.exists(path):
+        return path
+    ranks = encoding._mergeable_ranks
+    alphabet = _bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    merges = []
+    for token, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
+        pair = _merge_of(token, ranks) if len(token) > 1 else None
+        if pair is not None:
+            merges.append(f"{text(pair[0])} {text(pair[1])}")
+    spec = {"version": "1.0",
+            "model": {"type": "BPE", "vocab": {text(t): r for t, r in ranks.items()},
+                      "merges": merges},
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                              "trim_offsets": True, "use_regex": True},
+            "decoder": {"type": "ByteLevel"},
+            "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}
+                             for s, i in encoding._special_tokens.items()]}
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+
+    try:
+        write_atomically(path, dump)
+    except OSError:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        dump(path)
+    return path
+
+
+class GuardedTuetoken:
+    """tuetoken on texts where its ids are proven, tiktoken's own core on the others; both
+    give int32 arrays (tuetoken's uint32 ids, viewed)."""
+
+    def __init__(self, reference, name: str):
+        import tuetoken  # noqa: PLC0415 (optional, loaded on demand)
+
+        if tuple(map(int, unicodedata.unidata_version.split(".")[:2])) > NEWEST_UNICODE:
+            raise ImportError(f"this Python's Unicode {unicodedata.unidata_version} is newer "
+                              f"than the {'.'.join(map(str, NEWEST_UNICODE))} tuetoken's "
+                              f"ids are proven against")
+        self._fast = tuetoken.Tokenizer(tokenizer_json(reference._enc, name))
+        self._tiktoken = reference._enc._core_bpe
+        self._eos_id = reference.eos_id
+
+    def encode_ordinary(self, text: str) -> np.ndarray:
+        if needs_tiktoken([text]):
+            return self._ordinary_tiktoken(text)
+        out = self._fast.encode_ordinary_to_buffer([text], 1)
+        return out["data"].view(np.int32)
+
+    def _ordinary_tiktoken(self, text: str) -> np.ndarray:
+        return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, frozenset()),
+                             dtype=np.int32)
+
+    def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``Tokenizer.encode_docs``: each document's ordinary ids and the end-of-document id
+        after it, in one call (on one thread); the index of each EOS."""
+        out = self._fast.encode_ordinary_to_buffer(texts, 1)
+        ids, offsets = out["data"].view(np.int32), out["offsets"]
+        other = needs_tiktoken(texts)
+        if other:
+            parts = [ids[offsets[i]:offsets[i + 1]] for i in range(len(texts))]
+            for i in other:
+                parts[i] = self._ordinary_tiktoken(texts[i])
+            ids = np.concatenate(parts)
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+        ends = offsets[1:]
+        return (np.insert(ids, ends, np.int32(self._eos_id)),
+                ends + np.arange(len(texts), dtype=np.int64))
