@@ -7,7 +7,7 @@ deadline:
     1 limit        the configured tokenizer on one core with tiktoken (the feed's own
                    encode_docs; the reference of every ratio), the same on the feed's
                    tokenizer_backend where that is a faster exact one (toktok for cl100k,
-                   riptoken for GPT-2), the other backend (HF tokenizers on GPT-2's files),
+                   tuetoken for GPT-2), the other backend (HF tokenizers on GPT-2's files),
                    Parquet reads, and our Stream.produce on one core with a cProfile split
                    of where it spends time;
                    the tokenizer again right after ours (2), to show whether the machine's

