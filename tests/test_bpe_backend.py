@@ -183,7 +183,7 @@ def _code_points_in_contexts() -> list[str]:
 
 
 @pytest.mark.slow
-def test_tuetoken_gives_tiktoken_ids_on_every_code_point():
+def test_tuetoken_gives_tiktoken_ids_on_every_code_point(tmp_path, monkeypatch):
     """tuetoken's Unicode tables are older than tiktoken's: the texts whose ids it gets wrong
     are all flagged by the guard (so go to tiktoken), and the backend's ids are tiktoken's."""
     import tuetoken
@@ -194,7 +194,9 @@ def test_tuetoken_gives_tiktoken_ids_on_every_code_point():
     fast = load_tokenizer("gpt2", "tuetoken")
     texts = _code_points_in_contexts()
     want_tokens, want_eos = reference.encode_docs(texts)
-    raw = tuetoken.Tokenizer(tokenizer_json(reference._enc, "gpt2-test"))
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))  # its own tokenizer.json
+    raw = tuetoken.Tokenizer(tokenizer_json(reference._enc, "gpt2"))
+    assert (tmp_path / "tuetoken" / "gpt2.json").is_file()
     out = raw.encode_ordinary_to_buffer(texts, 1)
     want = np.split(want_tokens, want_eos + 1)[:-1]
     wrong = {i for i in range(len(texts)) if not np.array_equal(
