@@ -169,14 +169,17 @@ class GuardedTuetoken:
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """``Tokenizer.encode_docs``: each document's ordinary ids and the end-of-document id
         after it, in one call (on one thread); the index of each EOS."""
-        from ingest.tokenize import docs_of, with_eos  # noqa: PLC0415 (it imports this module)
-
         out = self._fast.encode_ordinary_to_buffer(texts, 1)
         ids, offsets = out["data"].view(np.int32), out["offsets"]
         other = needs_tiktoken(texts)
-        if not other:
-            return with_eos(ids, np.diff(offsets), self._eos_id)
-        parts = [ids[offsets[i]:offsets[i + 1]] for i in range(len(texts))]
-        for i in other:
-            parts[i] = self._ordinary_tiktoken(texts[i])
-        return docs_of(parts, self._eos_id)
+        if other:
+            parts = [ids[offsets[i]:offsets[i + 1]] for i in range(len(texts))]
+            for i in other:
+                parts[i] = self._ordinary_tiktoken(texts[i])
+            ids = np.concatenate(parts)
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+        # ingest.tokenize.with_eos's layout (this module is below it): an EOS after each
+        # document's ids, and the index of each EOS.
+        ends = offsets[1:]
+        return (np.insert(ids, ends, np.int32(self._eos_id)),
+                ends + np.arange(len(texts), dtype=np.int64))
