@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             elif first_round_at is not None:
                 after += got
             for c in out:
-                c.fields  # noqa: B018 -- read them, as the host does
+                c.fields  # noqa: B018 -- read every row, as the host does
             live = [s for s, c in zip(ids, out, strict=True) if not c.exhausted]
             if live:
                 q.append((a, live, a.produce.remote(live, cfg.chunk_rows)))

@@ -130,7 +130,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
             while filled < k:
                 c = chunks[s][ci]
                 n = min(k - filled, c.num_rows - taken)
-                local[:, j * k + filled:j * k + filled + n] = c.fields[:, taken:taken + n]
+                c.copy_rows(local, j * k + filled, taken, n)
                 filled += n
                 taken += n
                 if taken == c.num_rows:
@@ -163,7 +163,8 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     batched transfer) on synthetic chunks, against np.copy of the same bytes, per shape."""
     import jax
 
-    from ingest.shift import FIELDS
+    from ingest.chunk import Chunk
+    from ingest.shift import FIELDS, new_rows
     from jax_side.host_buffers import aligned_empty
     from jax_side.sharding import batch_sharding
 
@@ -173,8 +174,12 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     out = []
     for batch, seq_len in SWEEP:
         k = batch // SWEEP_STREAMS
-        chunks = [rng.integers(0, 50_000, (len(FIELDS), SWEEP_CHUNK_ROWS, seq_len),
-                               dtype=np.int32) for _ in range(SWEEP_STREAMS)]
+        chunks = []
+        for _ in range(SWEEP_STREAMS):
+            tokens, layout = new_rows(SWEEP_CHUNK_ROWS, seq_len)
+            tokens[...] = rng.integers(0, 50_000, tokens.shape, dtype=np.int32)
+            layout[...] = rng.integers(0, seq_len, layout.shape, dtype=layout.dtype)
+            chunks.append(Chunk(0, tokens, layout, {}, False))
         shape = (len(FIELDS), batch, seq_len)
         asm_t, copy_t = [], []
         for step in range(steps):
@@ -182,7 +187,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
             local = aligned_empty(shape)
             r0 = (step * k) % (SWEEP_CHUNK_ROWS - k + 1)
             for j, c in enumerate(chunks):
-                local[:, j * k:(j + 1) * k] = c[:, r0:r0 + k]
+                c.copy_rows(local, j * k, r0, k)
             t1 = time.perf_counter()
             make_s, np_s = _arrays_then_copy(local, sharding, batch)
             asm_t.append(t1 - t0 + make_s)

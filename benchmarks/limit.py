@@ -197,20 +197,20 @@ def _rows_per_stream(spec: BenchSpec) -> int | None:
 def _produce_all(spec: BenchSpec, max_rows_per_stream: int | None) -> tuple[float, int, int]:
     from ingest.config import Config
     from ingest.plan import build_plan
-    from ingest.shift import FIELDS
+    from ingest.shift import LAYOUT_FIELDS
     from ingest.stream import Stream
 
     cfg = Config.from_dict(spec.config)
     plan = build_plan(cfg)
     streams = [Stream(cfg, plan, s) for s in range(cfg.num_streams)]
-    seg = FIELDS.index("inputs_segmentation")
+    seg = LAYOUT_FIELDS.index("inputs_segmentation")
     tokens = rows = 0
     live = list(streams)
     t0 = time.perf_counter()
     while live:
         for s in list(live):
             c = s.produce(cfg.chunk_rows)
-            tokens += int((c.fields[seg] != 0).sum())
+            tokens += int((c.layout[seg] != 0).sum())
             rows += c.num_rows
             done = max_rows_per_stream is not None and \
                 s.get_state()["rows_emitted"] >= max_rows_per_stream

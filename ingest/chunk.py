@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from ingest.config import Config
+from ingest.shift import FIELD_PLACES, fields_of
 from ingest.units import UnitPlan
 
 __all__ = ["Chunk", "ChunkStream", "state_from_json"]
@@ -27,9 +29,15 @@ State = TypeVar("State")
 class Chunk:
     """Consecutive rows of one stream, with the stream's state after the last of them.
 
+    The six fields of ``FIELDS`` are kept in two arrays (``TOKEN_FIELDS``,
+    ``LAYOUT_FIELDS``); ``fields`` gives them as one int32 array, ``copy_rows`` copies rows
+    into one.
+
     Attributes:
       stream_id: the stream.
-      fields: int32 ``[6, num_rows, seq_len]`` in ``FIELDS`` order.
+      tokens: int32 ``[2, num_rows, seq_len]``: inputs, targets.
+      layout: ``[3, num_rows, seq_len]`` of ``layout_dtype(seq_len)``: inputs_position (also
+        targets_position), inputs_segmentation, targets_segmentation.
       state_after: ``StreamState.to_json()`` after the last row.
       exhausted: the stream has no rows after these (fewer than asked may have come).
       documents: int64 ``[num_rows]``: the state's ``documents`` counter as it reads after
@@ -37,14 +45,41 @@ class Chunk:
     """
 
     stream_id: int
-    fields: np.ndarray
+    tokens: np.ndarray
+    layout: np.ndarray
     state_after: dict[str, Any]
     exhausted: bool
     documents: np.ndarray | None = None
+    _views: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, repr=False,
+                                                               compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_views": None}  # views of the arrays: not sent twice
 
     @property
     def num_rows(self) -> int:
-        return self.fields.shape[1]
+        return self.tokens.shape[1]
+
+    @property
+    def fields(self) -> np.ndarray:
+        """The rows as int32 ``[6, num_rows, seq_len]``, fields in ``FIELDS`` order (a new
+        array)."""
+        return fields_of(self.tokens, self.layout)
+
+    def copy_rows(self, out: Sequence[np.ndarray], at: int, start: int, n: int) -> None:
+        """Copies rows ``[start, start + n)`` into rows ``[at, at + n)`` of ``out``: six int32
+        ``[rows, seq_len]`` arrays in ``FIELDS`` order (an int32 ``[6, rows, seq_len]`` array
+        is one; a tuple of its fields, made once for many calls, saves a view per field)."""
+        for dst, src in zip(out, self._sources(), strict=True):
+            dst[at:at + n] = src[start:start + n]
+
+    def _sources(self) -> tuple[np.ndarray, ...]:
+        """Each of FIELDS as a ``[num_rows, seq_len]`` view of ``tokens`` or ``layout``, made
+        on first use (a host copies a chunk's rows a few at a time)."""
+        if self._views is None:
+            arrays = (self.tokens, self.layout)
+            self._views = tuple(arrays[which][j] for which, j in FIELD_PLACES)
+        return self._views
 
 
 class ChunkStream(abc.ABC):

@@ -25,6 +25,7 @@ from ingest.config_checks import AUTO_FIELDS, check_fields, unknown_fields
 from ingest.config_memory import check_memory, machine_memory
 from ingest.config_yaml import read_yaml_fields, resolve_path, resolve_tokenizer
 from ingest.errors import ConfigError
+from ingest.shift import chunk_token_bytes
 from ingest.source_config import SourceConfig
 
 __all__ = ["AUTO_FIELDS", "Config", "ConfigError", "SourceConfig", "check_memory",
@@ -183,7 +184,7 @@ class Config:
             target = max(1, tokens // self.seq_len)
             budget = (self.object_store_budget_mb if self.object_store_budget_mb is not None
                       else AUTO_BUDGET_MB)
-            row_bytes = 6 * 4 * self.seq_len
+            row_bytes = chunk_token_bytes(self.seq_len) * self.seq_len
             fit = int(budget * 2**20 // (self.num_streams * (self.prefetch + 1) * row_bytes))
             rows = max(1, min(target, fit))
             why = (f"{CALL_TOKENS} tokens a call // streams_per_call {share} // seq_len "
@@ -236,8 +237,9 @@ class Config:
 
     @property
     def chunk_bytes(self) -> int:
-        """Object-store bytes of one chunk: six int32 fields of ``chunk_rows x seq_len``."""
-        return 6 * 4 * self.chunk_rows * self.seq_len
+        """Object-store bytes of one chunk: ``chunk_rows x seq_len`` tokens of
+        ``ingest.shift.chunk_token_bytes`` each."""
+        return chunk_token_bytes(self.seq_len) * self.chunk_rows * self.seq_len
 
     def requests_in_flight(self, owned_streams: int) -> int:
         """Chunk requests each stream may have in flight under ``object_store_budget_mb``.
@@ -255,8 +257,9 @@ class Config:
             raise ValueError(
                 f"object_store_budget_mb={self.object_store_budget_mb} is below the "
                 f"{need:.1f} MB that {owned_streams} streams need (one chunk being read and one "
-                f"in flight each, chunk_rows={self.chunk_rows} x seq_len={self.seq_len} x 6 "
-                f"fields x 4 bytes); raise it or lower chunk_rows")
+                f"in flight each, chunk_rows={self.chunk_rows} x seq_len={self.seq_len} x "
+                f"{chunk_token_bytes(self.seq_len)} bytes a token); raise it or lower "
+                f"chunk_rows")
         return min(self.prefetch, depth)
 
     def rampup_factor_at(self, step: int) -> float:

@@ -7,13 +7,14 @@ import os
 from typing import Any
 
 from ingest.errors import ConfigError
+from ingest.shift import chunk_token_bytes
 
 __all__ = ["check_memory", "machine_memory"]
 
 # Batches a host keeps at once: one being filled, HostFeed's default device_prefetch (4)
 # waiting, one in the training step.
 HOST_BATCHES = 6
-BYTES_PER_ROW_TOKEN = 6 * 4  # six int32 fields
+BYTES_PER_ROW_TOKEN = 6 * 4  # a batch's six int32 fields
 
 
 def machine_memory() -> tuple[int, str]:
@@ -46,7 +47,8 @@ def check_memory(config: Any, *, streams: int | None = None,
                  host_batches: int = HOST_BATCHES, memory: tuple[int, str] | None = None) -> None:
     """Refuses batch and chunk sizes whose buffers cannot fit in this machine's memory.
 
-    A row is ``seq_len x 6 fields x 4 bytes``. A host keeps ``host_batches`` batches of its
+    A batch's row is ``seq_len x 6 fields x 4 bytes``, a chunk's ``seq_len x
+    ingest.shift.chunk_token_bytes``. A host keeps ``host_batches`` batches of its
     rows (its ``streams``' share of the largest global batch, ``batch_rampup`` included); each
     of the streams keeps ``prefetch`` chunks in flight, one being read and one being produced
     (``chunk_rows`` rows each), on this machine with the local backend or a one-machine
@@ -84,8 +86,8 @@ def check_memory(config: Any, *, streams: int | None = None,
         auto = " (automatic)" if config.is_auto("chunk_rows") else ""
         problems.append(
             f"chunk_rows={config.chunk_rows:,}{auto}"
-            f" x seq_len={config.seq_len:,} x 6 fields x 4 "
-            f"bytes = {_size(config.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
+            f" x seq_len={config.seq_len:,} x {chunk_token_bytes(config.seq_len)} bytes a "
+            f"token = {_size(config.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
             f"prefetch={config.prefetch} + 2 chunks each (in flight, being read, being "
             f"produced): {_size(chunk_need)}, more than {have}. Lower {lower}")
     if not problems and batch_need + chunk_need > total:

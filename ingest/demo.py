@@ -64,12 +64,12 @@ def demo_config(**overrides) -> Config:
     """The demo job: GPT-2 BPE, rows of 1024 tokens, batches of 32, one epoch, one worker per
     CPU; the runtime knobs are the config's automatic ones, which give these settings:
 
-    On 2 CPUs, chunks of 128 rows (131k tokens, 3 MiB) with two requests in flight per
+    On 2 CPUs, chunks of 128 rows (131k tokens, 1.75 MiB) with two requests in flight per
     stream: over 3 epochs this fed 8.6 M tokens/s against 6.0 M with 32-row chunks, because
     Ray's raylet and the host spend a fixed cost per chunk (benchmarks/). Every stream runs
     out of its chunk at the same step, so the second request in flight is what keeps a
     consumer with a training step from waiting there (stall 1.4 % against 2.6 % with one,
-    benchmarks/). The object store then holds at most 16 streams x 3 chunks = 144 MiB. One
+    benchmarks/). The object store then holds at most 16 streams x 3 chunks = 84 MiB. One
     call makes the next chunk of all of a worker's streams (``streams_per_call``, a worker's
     share): over 3 epochs on 2 CPUs, 13.0 M tokens/s against 10.9 M with a call per chunk,
     with the same chunks, startup and object-store bound, and the host spends 0.16 of a core

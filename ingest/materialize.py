@@ -47,12 +47,13 @@ from ingest.segments import (
     stream_dir,
     write_json_atomic,
 )
-from ingest.shift import FIELDS
+from ingest.shift import FIELDS, LAYOUT_FIELDS
 from ingest.units import UnitPlan
 
 __all__ = ["ChunkSource", "MaterializeSummary", "Progress", "materialize"]
 
 DEFAULT_SEGMENT_ROWS = 4096
+_SEG = LAYOUT_FIELDS.index("inputs_segmentation")
 
 
 class ChunkSource(Protocol):
@@ -282,8 +283,7 @@ def materialize(config: Config, plan: UnitPlan, out: str,
                     chunk = source.next_chunk(s)
                     written += _write_chunk(run, chunk, out, config.seq_len, segment_rows)
                     rows += chunk.num_rows
-                    tokens += int(np.count_nonzero(
-                        chunk.fields[FIELDS.index("inputs_segmentation")]))
+                    tokens += int(np.count_nonzero(chunk.layout[_SEG]))
                     if chunk.exhausted:
                         written += _finish_stream(run, chunk, out)
                         del runs[s]
@@ -343,13 +343,14 @@ def _write_chunk(run: _StreamRun, chunk: Chunk, out: str, seq_len: int,
     """Appends a chunk's rows to the stream's segments; returns segments committed."""
     committed = 0
     n = chunk.num_rows
+    fields = chunk.fields
     at = 0
     while at < n:
         if run.writer is None:
             run.writer = SegmentWriter(out, run.stream_id, len(run.disk.records), seq_len)
         w = run.writer
         take = min(segment_rows - w.rows, n - at)
-        w.append(chunk.fields[:, at:at + take])
+        w.append(fields[:, at:at + take])
         at += take
         if w.rows == segment_rows:
             # Where a job reopens the stream to write the next segment: after this chunk, or

@@ -38,7 +38,7 @@ import numpy as np
 
 from ingest.chunk import Chunk, ChunkStream, state_from_json
 from ingest.config import Config
-from ingest.shift import FIELDS
+from ingest.shift import LAYOUT_FIELDS, new_rows
 from ingest.text_stream import Stream, StreamState
 from ingest.tokenize import Tokenizer, load_tokenizer
 from ingest.units import UnitPlan
@@ -46,7 +46,7 @@ from ingest.units import UnitPlan
 __all__ = ["MixedStream", "MixtureState"]
 
 MIXTURE_STATE_VERSION = 1
-_SEG = FIELDS.index("inputs_segmentation")
+_SEG = LAYOUT_FIELDS.index("inputs_segmentation")
 # Rows a component produces past the mixture's need, so a chunk of the mixture costs about
 # one call per component rather than one per row.
 _READ_AHEAD_ROWS = 4
@@ -92,7 +92,7 @@ class MixtureState:
 @dataclasses.dataclass
 class _Component:
     stream: Stream
-    fields: np.ndarray | None = None  # the last chunk produced, [6, rows, L]
+    rows: tuple[np.ndarray, np.ndarray] | None = None  # the last chunk's (tokens, layout)
     documents: np.ndarray | None = None  # its documents counter by row
     state_after: dict[str, Any] | None = None
     chunk_exhausted: bool = False
@@ -164,7 +164,7 @@ class MixedStream(ChunkStream):
         for c, saved in zip(self._components, st.components, strict=True):
             c.stream.set_state(saved["state"] if saved["state"] is not None
                                else StreamState().to_json())
-            c.fields, c.state_after, c.chunk_exhausted = None, None, False
+            c.rows, c.state_after, c.chunk_exhausted = None, None, False
             c.exhausted = bool(saved["state"] and saved["state"].get("exhausted")
                                and saved["taken"] == 0)
 
@@ -182,24 +182,25 @@ class MixedStream(ChunkStream):
                 best, best_key = i, key
         return best
 
-    def _take_row(self, i: int, want: int) -> np.ndarray | None:
-        """The next row of component i (``[6, L]``), or None when it has ended."""
+    def _take_row(self, i: int, want: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The next row of component i (its ``tokens`` and ``layout``, ``[2, L]`` and
+        ``[3, L]``), or None when it has ended."""
         c = self._components[i]
         saved = self._state.components[i]
         if self._settle(i):
             return None
-        if c.fields is None or saved["taken"] >= c.fields.shape[1]:
-            if c.fields is not None:
+        if c.rows is None or saved["taken"] >= c.rows[0].shape[1]:
+            if c.rows is not None:
                 saved["state"], saved["taken"] = c.state_after, 0
             # After a restore, the chunk starts at ``base`` and its first ``taken`` rows were
             # used already.
             chunk = c.stream.produce(saved["taken"] + want + _READ_AHEAD_ROWS)
-            c.fields, c.state_after, c.chunk_exhausted = (chunk.fields, chunk.state_after,
-                                                          chunk.exhausted)
+            c.rows, c.state_after, c.chunk_exhausted = ((chunk.tokens, chunk.layout),
+                                                        chunk.state_after, chunk.exhausted)
             c.documents = chunk.documents
             if self._settle(i):
                 return None
-        row = c.fields[:, saved["taken"]]
+        row = (c.rows[0][:, saved["taken"]], c.rows[1][:, saved["taken"]])
         self._state.component_documents[i] = int(c.documents[saved["taken"]])
         saved["taken"] += 1
         return row
@@ -209,17 +210,17 @@ class MixedStream(ChunkStream):
         becomes the final one, so its counters (documents, skips) are complete."""
         c = self._components[i]
         saved = self._state.components[i]
-        if (not c.exhausted and c.fields is not None and c.chunk_exhausted
-                and saved["taken"] >= c.fields.shape[1]):
+        if (not c.exhausted and c.rows is not None and c.chunk_exhausted
+                and saved["taken"] >= c.rows[0].shape[1]):
             saved["state"], saved["taken"] = c.state_after, 0
-            c.fields, c.exhausted = None, True
+            c.rows, c.exhausted = None, True
         return c.exhausted
 
     def _produce(self, n_rows: int) -> Chunk:
         """The next ``n_rows`` rows (fewer only when every component has ended)."""
         st = self._state
         L = self.config.seq_len
-        out = np.zeros((len(FIELDS), n_rows, L), dtype=np.int32)
+        out_tokens, out_layout = new_rows(n_rows, L, zeros=True)
         documents = np.zeros(n_rows, np.int64)
         total_w = sum(self._weights)
         got = 0
@@ -232,9 +233,9 @@ class MixedStream(ChunkStream):
             row = self._take_row(i, want)
             if row is None:
                 continue
-            out[:, got] = row
+            out_tokens[:, got], out_layout[:, got] = row
             documents[got] = sum(st.component_documents)
-            tokens = int(np.count_nonzero(row[_SEG]))
+            tokens = int(np.count_nonzero(row[1][_SEG]))
             st.credit[i] += tokens
             st.tokens[i] += tokens
             st.rows[i] += 1
@@ -243,8 +244,8 @@ class MixedStream(ChunkStream):
         if all(ended):
             st.exhausted = True
         st.rows_emitted += got
-        return Chunk(self.stream_id, out[:, :got], self.get_state(), st.exhausted,
-                     documents[:got])
+        return Chunk(self.stream_id, out_tokens[:, :got], out_layout[:, :got], self.get_state(),
+                     st.exhausted, documents[:got])
 
     def set_trace(self, trace) -> None:
         """See ``Stream.set_trace``; the trace names the component as ``source``."""
@@ -260,7 +261,7 @@ class MixedStream(ChunkStream):
         c.stream.add_poison(where)
         saved["state"] = c.stream.get_state()
         # Rebuilt from the new base on the next row (the rows taken are skipped again).
-        c.fields, c.state_after, c.chunk_exhausted = None, None, False
+        c.rows, c.state_after, c.chunk_exhausted = None, None, False
 
     def describe_head(self) -> str:
         i = self._pick()

@@ -16,7 +16,7 @@ __all__ = ["claim_cpu", "one_cpu_producer", "prefault_shared", "shared_mapping"]
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Blocks up to this size come from the heap, not from a fresh mapping of their own (glibc's
-# largest on 64-bit); a 128 x 1024 chunk's six fields are 3 MiB.
+# largest on 64-bit); a 128 x 1024 chunk is 1.75 MiB.
 MMAP_THRESHOLD = 32 << 20
 # Free memory at the top of the heap kept for the next call, not handed back to the kernel.
 TRIM_THRESHOLD = 256 << 20
@@ -30,7 +30,7 @@ def one_cpu_producer() -> dict[str, bool]:
     reading row groups into the row-group cache about 2 x slower here than jemalloc or malloc
     (0.44 s against 0.2 s over the demo corpus): fresh memory for every group the cache keeps.
 
-    glibc's malloc: a call's chunks (3 MiB each, 24 MiB for eight streams a call) and their
+    glibc's malloc: a call's chunks (1.75 MiB each, 14 MiB for eight streams a call) and their
     intermediates are freed once Ray has stored them, and by default malloc gives that memory
     back to the kernel (blocks over 128 KiB are mappings of their own, and a heap top with more
     than twice that free is trimmed), so the next call faults every page in again, zeroed. Kept
@@ -157,10 +157,10 @@ def prefault_shared(prefix: str, nbytes: int) -> int:
 
     For Ray's object store (``prefix="plasma"``): it hands out its lowest free addresses first,
     and a worker that stores a chunk on a page its process has not touched yet takes a page
-    fault for it, one that allocates and zeroes the page if no process has. A call's 24 MiB of
-    chunks took 6,180 faults, 15 ms of its 20 ms of storing; with the first pages of the store
-    prefaulted, about 35 faults and 6 ms (the demo's first epoch; RESULTS.md). The contents
-    stay as they are, so objects already there are safe.
+    fault for it, one that allocates and zeroes the page if no process has. Storing 24 MiB of
+    chunks in one call took 6,180 faults, 15 ms of its 20 ms of storing; with the first pages
+    of the store prefaulted, about 35 faults and 6 ms (the demo's first epoch; RESULTS.md).
+    The contents stay as they are, so objects already there are safe.
     """
     if nbytes <= 0:
         return 0

@@ -36,7 +36,7 @@ from ingest.columns import numpy_view
 from ingest.config import Config
 from ingest.errors import BadInputError
 from ingest.segments import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
-from ingest.shift import FIELDS
+from ingest.shift import FIELD_PLACES, FIELDS, new_rows
 from ingest.sources import FileInfo
 from ingest.units import Unit, UnitPlan, Units
 
@@ -156,6 +156,7 @@ def _outside(root: str, rel: Any) -> str | None:
 # Segments whose bytes this process has checked against the manifest, keyed by what changes
 # when the file does: (real path, expected hash, inode, size, mtime).
 _CHECKED: set[tuple[Any, ...]] = set()
+_POSITION, _TARGET_POSITION = FIELDS.index("inputs_position"), FIELDS.index("targets_position")
 
 
 def _segment_error(plan: MaterializedPlan, stream_id: int, segment: int, path: str,
@@ -289,26 +290,31 @@ class ReplayStream(ChunkStream):
             raise _segment_error(self.plan, self.stream_id, segment, path,
                                  f"cannot be read ({type(e).__name__}: {e})") from e
         arrays = [numpy_view(table.column(name)).reshape(-1, L) for name in FIELDS]
+        if not np.array_equal(arrays[_POSITION], arrays[_TARGET_POSITION]):
+            raise _segment_error(self.plan, self.stream_id, segment, path,
+                                 "has targets_position other than inputs_position in row group "
+                                 f"{i}; ingest writes both the same")
         first = int(ends[i - 1]) if i else 0
         self._group = (segment, first, arrays)
         return first, arrays
 
     def _produce(self, n_rows: int) -> Chunk:
         st = self._state
-        out = np.empty((len(FIELDS), n_rows, self.plan.seq_len), dtype=np.int32)
+        out = new_rows(n_rows, self.plan.seq_len)
         got = 0
         while got < n_rows and not st.exhausted:
             first, arrays = self._group_at(st.segment, st.row)
             a = st.row - first
             take = min(n_rows - got, len(arrays[0]) - a)
-            for i, arr in enumerate(arrays):
-                out[i, got:got + take] = arr[a:a + take]
+            for i, (arr, (which, j)) in enumerate(zip(arrays, FIELD_PLACES, strict=True)):
+                if i != _TARGET_POSITION:  # kept once, as inputs_position (checked equal)
+                    out[which][j, got:got + take] = arr[a:a + take]
             got += take
             st.row += take
             self._settle()
         st.rows_emitted += got
-        fields = out if got == n_rows else np.ascontiguousarray(out[:, :got])
-        return Chunk(self.stream_id, fields, self.get_state(), st.exhausted)
+        tokens, layout = out if got == n_rows else (np.ascontiguousarray(x[:, :got]) for x in out)
+        return Chunk(self.stream_id, tokens, layout, self.get_state(), st.exhausted)
 
     def describe_head(self) -> str:
         """Where the stream is: ``SEGMENT row N (stream S, epoch E)``."""

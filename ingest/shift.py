@@ -1,4 +1,5 @@
-"""Shifting packed rows into the six int32 fields of the LLM batch convention.
+"""Shifting packed rows into the six fields of the LLM batch convention, kept as a chunk's
+two arrays: ``tokens`` (``TOKEN_FIELDS``, int32) and ``layout`` (``LAYOUT_FIELDS``).
 
 Input: ``tokens``, ``starts``, ``valid`` of shape ``[n, W]`` (see ``ingest.pack``). With the
 left shift W = L + 1 and ``targets[t] = tokens[t + 1]`` (the last target comes from the next
@@ -18,22 +19,76 @@ segment start and at the row start (a continued document).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-__all__ = ["FIELDS", "concat_fields", "shift_rows"]
+__all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "chunk_token_bytes",
+           "concat_fields", "fields_of", "layout_dtype", "new_rows", "shift_rows"]
 
 # Sorted by name: the digest and the chunk layout both use this order.
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation",
           "targets", "targets_position", "targets_segmentation")
 
+# How a chunk keeps the six fields: ``tokens`` holds TOKEN_FIELDS (int32), ``layout`` holds
+# LAYOUT_FIELDS in ``layout_dtype(seq_len)``; targets_position is always inputs_position, so it
+# is not kept twice. 14 bytes a token where seq_len < 65536, against 24 for six int32 fields:
+# every chunk is copied into Ray's object store by its worker and read out of it by the host.
+TOKEN_FIELDS = ("inputs", "targets")
+LAYOUT_FIELDS = ("inputs_position", "inputs_segmentation", "targets_segmentation")
+# Where each of FIELDS is kept: (0 for tokens or 1 for layout, its index there).
+FIELD_PLACES = tuple(
+    (0, TOKEN_FIELDS.index(f)) if f in TOKEN_FIELDS
+    else (1, LAYOUT_FIELDS.index("inputs_position" if f == "targets_position" else f))
+    for f in FIELDS)
+
+
+def layout_dtype(seq_len: int) -> np.dtype:
+    """The dtype of a chunk's positions and segment ids: uint16 where every value fits
+    (positions below seq_len, segment ids up to seq_len), else int32."""
+    return np.dtype(np.uint16) if seq_len < 1 << 16 else np.dtype(np.int32)
+
+
+def chunk_token_bytes(seq_len: int) -> int:
+    """Bytes a chunk keeps per token (per row and position): its tokens and its layout."""
+    return 4 * len(TOKEN_FIELDS) + layout_dtype(seq_len).itemsize * len(LAYOUT_FIELDS)
+
+
+def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:
+    """A chunk's ``tokens`` and ``layout`` arrays as one int32 ``[6, rows, seq_len]`` array,
+    fields in ``FIELDS`` order (a new array)."""
+    out = np.empty((len(FIELDS), *tokens.shape[1:]), np.int32)
+    arrays = (tokens, layout)
+    for i, (which, j) in enumerate(FIELD_PLACES):
+        out[i] = arrays[which][j]
+    return out
+
+
+def new_rows(n_rows: int, seq_len: int, *, zeros: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Empty (or zeroed) ``tokens`` and ``layout`` arrays of ``n_rows`` rows for a chunk."""
+    make = np.zeros if zeros else np.empty
+    return (make((len(TOKEN_FIELDS), n_rows, seq_len), np.int32),
+            make((len(LAYOUT_FIELDS), n_rows, seq_len), layout_dtype(seq_len)))
+
+
+@functools.lru_cache(maxsize=8)
+def _ramp(size: int, dtype: str) -> np.ndarray:
+    """``0, 1, ..., size - 1`` in ``dtype`` (uint16: modulo 65536), read-only."""
+    out = np.arange(size, dtype=np.int64).astype(dtype)
+    out.flags.writeable = False
+    return out
+
 
 def _segments_and_positions(begin: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> None:
-    """Writes segment ids and positions of ``[n, w]`` rows into ``seg`` and ``pos``.
+    """Writes segment ids and positions of ``[n, w]`` rows into ``seg`` and ``pos`` (of one
+    ``layout_dtype``).
 
     ``begin`` is True where a segment begins, column 0 included, so a segment never crosses
     a row end. Both are runs over the flat rows: segment j (its first cell ``at[j]``) holds
     its id within its row and the positions ``0, 1, ...`` from ``at[j]``. Repeating each
     segment's id and start over its length took a third of the time of two flat prefix sums.
+    A position is the cell's flat index less its segment's first: in uint16 both are taken
+    modulo 65536, which leaves the difference (below seq_len) exact.
     """
     n, w = begin.shape
     flat = begin.reshape(-1)
@@ -44,30 +99,30 @@ def _segments_and_positions(begin: np.ndarray, seg: np.ndarray, pos: np.ndarray)
     # The id of segment j within its row: j + 1 minus the index of the row's first segment.
     first = np.where(at % w == 0, np.arange(at.size), 0)
     np.maximum.accumulate(first, out=first)
-    ids = (np.arange(1, at.size + 1) - first).astype(np.int32)
+    ids = (np.arange(1, at.size + 1) - first).astype(seg.dtype)
     seg[...] = np.repeat(ids, lengths).reshape(n, w)
-    np.subtract(np.arange(flat.size, dtype=np.int32).reshape(n, w),
-                np.repeat(at.astype(np.int32), lengths).reshape(n, w), out=pos)
+    np.subtract(_ramp(flat.size, pos.dtype.str).reshape(n, w),
+                np.repeat(at.astype(pos.dtype), lengths).reshape(n, w), out=pos)
 
 
 def shift_rows(tokens: np.ndarray, starts: np.ndarray, valid: np.ndarray, *, shift: str,
-               predict_across_documents: bool, eos_id: int) -> np.ndarray:
+               predict_across_documents: bool, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Builds the six fields.
 
     Returns:
-      int32 array ``[6, n, L]``, fields in ``FIELDS`` order.
+      a chunk's ``tokens`` and ``layout`` arrays (``new_rows``) of ``n`` rows.
     """
     n, w = tokens.shape
     seq_len = w - 1 if shift == "left" else w
-    out = np.empty((6, n, seq_len), dtype=np.int32)
-    inputs, pos, seg, targets, tpos, tseg = out
+    tok, lay = new_rows(n, seq_len)
+    inputs, targets = tok
+    pos, seg, tseg = lay
     in_valid = valid[:, :seq_len]
     begin = starts[:, :seq_len].copy()
     begin[:, 0] = True
     _segments_and_positions(begin, seg, pos)
     seg *= in_valid
     pos *= in_valid
-    tpos[:] = pos
     if shift == "left":
         np.multiply(tokens[:, :seq_len], in_valid, out=inputs)
         has_target = in_valid & valid[:, 1:]
@@ -81,14 +136,15 @@ def shift_rows(tokens: np.ndarray, starts: np.ndarray, valid: np.ndarray, *, shi
         inputs[:, 1:] = tokens[:, :-1]
         inputs *= valid
         tseg[:] = seg
-    return out
+    return tok, lay
 
 
 def concat_fields(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: int, *,
-                  shift: str, predict_across_documents: bool, eos_id: int) -> np.ndarray:
+                  shift: str, predict_across_documents: bool,
+                  eos_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Packs a flat token sequence with ``concat`` and shifts it, in one pass.
 
-    The same array as ``shift_rows(*concat_rows(tokens, starts, n_rows, seq_len, W), ...)``
+    The same rows as ``shift_rows(*concat_rows(tokens, starts, n_rows, seq_len, W), ...)``
     (``ingest.pack``), written straight from the flat sequence: row r holds tokens
     ``[r * seq_len, (r + 1) * seq_len)``, so no ``[n, W]`` copies are needed (4-6 x faster
     for 128 rows of 1024). Tokens missing at the end (finite data) become padding.
@@ -99,21 +155,21 @@ def concat_fields(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: 
       starts: bool, True at each document's first token (same length as ``tokens``).
 
     Returns:
-      int32 array ``[6, n_rows, seq_len]``, fields in ``FIELDS`` order.
+      a chunk's ``tokens`` and ``layout`` arrays (``new_rows``) of ``n_rows`` rows.
     """
     n, L = n_rows, seq_len
     cells = n * L
     have = min(len(tokens), cells + (1 if shift == "left" else 0))
     real = min(have, cells)  # input cells that hold a token; the rest is padding
-    out = np.empty((6, n, L), dtype=np.int32)
-    inputs, pos, seg, targets, tpos, tseg = (f.reshape(-1) for f in out)
+    tok, lay = new_rows(n, L)
+    inputs, targets = (f.reshape(-1) for f in tok)
+    pos, seg, tseg = (f.reshape(-1) for f in lay)
     begin = np.zeros((n, L), dtype=bool)
     begin.reshape(-1)[:real] = starts[:real]
     begin[:, 0] = True
-    _segments_and_positions(begin, out[2], out[1])
+    _segments_and_positions(begin, lay[1], lay[0])
     seg[real:] = 0
     pos[real:] = 0
-    tpos[:] = pos
     if shift == "left":
         inputs[:real] = tokens[:real]
         inputs[real:] = 0
@@ -134,4 +190,4 @@ def concat_fields(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: 
         rows[:, 1:] = targets.reshape(n, L)[:, :-1]
         inputs[real:] = 0
         tseg[:] = seg
-    return out
+    return tok, lay

@@ -1,6 +1,6 @@
 """A text stream's rows: the tokens from the head on, cut into rows (``packing: concat``) or
 packed into bins of whole documents (``first_fit``, ``best_fit``, ``none``), then shifted into
-the six fields.
+the six fields (a chunk's ``tokens`` and ``layout`` arrays, ``ingest.shift``).
 
 With first_fit/best_fit the head stays at the first piece of the packing batch being emitted,
 and ``batch_rows_taken`` in the state counts the batch's rows already emitted: restore re-packs
@@ -13,7 +13,7 @@ import numpy as np
 
 from ingest.config import Config
 from ingest.pack import assign_bins, fill_bins
-from ingest.shift import FIELDS, concat_fields, shift_rows
+from ingest.shift import concat_fields, new_rows, shift_rows
 from ingest.stream_head import Head
 from ingest.unit_reader import UnitTokens
 
@@ -33,9 +33,10 @@ class RowBuilder:
         self._batch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._batch_next: tuple[int, int, int] | None = None
 
-    def produce(self, head: Head, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``n_rows`` rows from ``head`` (fewer only when the data ends): int32
-        ``[6, rows, seq_len]`` fields and the ``documents`` counter after each row."""
+    def produce(self, head: Head,
+                n_rows: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+        """The next ``n_rows`` rows from ``head`` (fewer only when the data ends): a chunk's
+        ``(tokens, layout)`` arrays and the ``documents`` counter after each row."""
         c = self.config
         if c.packing == "concat":
             return self._produce_concat(head, n_rows)
@@ -53,10 +54,11 @@ class RowBuilder:
         return (np.zeros((0, w), np.int32), np.zeros((0, w), bool), np.zeros((0, w), bool),
                 np.zeros(0, np.int64))
 
-    def _no_fields(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((len(FIELDS), 0, self.config.seq_len), np.int32), np.zeros(0, np.int64)
+    def _no_fields(self) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+        return new_rows(0, self.config.seq_len), np.zeros(0, np.int64)
 
-    def _produce_concat(self, head: Head, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    def _produce_concat(self, head: Head,
+                        n_rows: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
         c = self.config
         L = c.seq_len
         width = self._width()

@@ -51,7 +51,7 @@ class Stream(ChunkStream):
           StreamError: anything else, naming the stream and its head.
         """
         try:
-            fields, documents = self._rows.produce(self._head, n_rows)
+            (tokens, layout), documents = self._rows.produce(self._head, n_rows)
         except (BadInputError, StreamError):
             raise
         except Exception as e:
@@ -60,8 +60,8 @@ class Stream(ChunkStream):
                 f"stream {self.stream_id} failed at epoch {s.epoch}, unit {s.unit}, document "
                 f"{s.doc}: {type(e).__name__}: {e}", stream_id=self.stream_id) from e
         state = self._head.state
-        state.rows_emitted += fields.shape[1]
-        return Chunk(self.stream_id, fields, self.get_state(), state.exhausted, documents)
+        state.rows_emitted += tokens.shape[1]
+        return Chunk(self.stream_id, tokens, layout, self.get_state(), state.exhausted, documents)
 
     def set_trace(self, trace) -> None:
         """Calls ``trace(where)`` before tokenizing each document (None: stop); ``where`` is

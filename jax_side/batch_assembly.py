@@ -91,9 +91,10 @@ class AssembledStep:
 def fill_local_batch(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int) -> LocalBatch:
     """Takes ``k`` rows of each of ``rows.streams`` from ``intake`` into a new local batch."""
     local = aligned_empty((len(FIELDS), rows.stop - rows.start, seq_len))
+    fields = tuple(local)
     got = padding_rows = 0
     for j, s in enumerate(rows.streams):
-        n = intake.take(s, local, j * k, k)
+        n = intake.take(s, fields, j * k, k)
         if n < k:
             local[:, j * k + n:(j + 1) * k] = 0  # the stream ended: padding rows
         got += n

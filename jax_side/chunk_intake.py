@@ -12,7 +12,7 @@ ends, so a cursor is that state plus the rows taken past it::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -178,8 +178,10 @@ class ChunkIntake:
         """Rows of each stream's current chunk not taken yet."""
         return [c.rows - c.taken for c in self.cursors.values()]
 
-    def take(self, s: int, out: np.ndarray, row0: int, k: int) -> int:
-        """Copies up to k rows of stream s into ``out[:, row0:]``; returns rows copied."""
+    def take(self, s: int, out: Sequence[np.ndarray], row0: int, k: int) -> int:
+        """Copies up to k rows of stream s into rows ``row0...`` of ``out`` (six int32
+        ``[rows, seq_len]`` arrays in ``FIELDS`` order, ``Chunk.copy_rows``); returns rows
+        copied."""
         c = self.cursors[s]
         filled = 0
         while filled < k:
@@ -191,7 +193,7 @@ class ChunkIntake:
                 c.start(self.source.next_chunk(s))
                 continue
             n = min(k - filled, c.rows - c.taken)
-            out[:, row0 + filled:row0 + filled + n] = c.chunk.fields[:, c.taken:c.taken + n]
+            c.chunk.copy_rows(out, row0 + filled, c.taken, n)
             c.taken += n
             filled += n
         return filled
@@ -204,7 +206,7 @@ class ChunkIntake:
         seg = FIELDS.index("inputs_segmentation")
         for s in self.streams:
             while True:
-                got = self.take(s, scratch, 0, n)
+                got = self.take(s, tuple(scratch), 0, n)
                 yield got, int(np.count_nonzero(scratch[seg, :got]))
                 if got < n:
                     break

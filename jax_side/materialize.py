@@ -18,7 +18,7 @@ from ingest.config import Config, check_memory, load_config
 from ingest.demo import demo_config
 from ingest.materialize import DEFAULT_SEGMENT_ROWS, MaterializeSummary, materialize
 from ingest.plan import UnitPlan, build_plan, deal_units
-from ingest.shift import FIELDS
+from ingest.shift import LAYOUT_FIELDS
 from ingest.stream import Chunk
 from ingest.tokenize import load_tokenizer
 from jax_side.ray_cluster import start_ray
@@ -129,7 +129,8 @@ class Progress:
 
     def update(self, s: int, chunk: Chunk) -> None:
         self.rows += chunk.num_rows
-        self.tokens += int(np.count_nonzero(chunk.fields[FIELDS.index("inputs_segmentation")]))
+        seg = chunk.layout[LAYOUT_FIELDS.index("inputs_segmentation")]
+        self.tokens += int(np.count_nonzero(seg))
         passed = None
         if self._per_stream is not None:
             self._passed[s] = self._units_passed(s, chunk.state_after)

@@ -156,8 +156,9 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
         pool = WorkerPool(dataclasses.replace(cfg, prefault_object_store=on), plan, [0, 1],
                           num_workers=2, get_timeout_s=60)
         try:
-            # Two streams, three chunks each of 64 x 256 x 6 int32 (0.375 MiB): 2.25 MiB.
-            assert pool.bytes_bound == 3 * 2 * 64 * 256 * 6 * 4
+            # Two streams, three chunks each of 64 x 256 tokens of 14 bytes (two int32 token
+            # fields, three uint16 layout ones; 0.22 MiB): 1.3 MiB.
+            assert pool.bytes_bound == 3 * 2 * 64 * 256 * 14
             got = ray.get([w.__ray_call__.remote(probe) for w in pool._workers], timeout=60)
         finally:
             pool.close()

@@ -85,5 +85,5 @@ def test_object_store_stays_under_the_budget_while_the_consumer_pauses(ray_clust
 def test_a_budget_below_one_chunk_per_stream_is_refused_with_the_minimum(tmp_path):
     cfg = _config(tmp_path, object_store_budget_mb=1)
     sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
-    with pytest.raises(ValueError, match=r"object_store_budget_mb=1 is below the 6\.0 MB"):
+    with pytest.raises(ValueError, match=r"object_store_budget_mb=1 is below the 3\.5 MB"):
         HostFeed(cfg, sharding=sharding, backend="ray")

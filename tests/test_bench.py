@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ingest.pack import concat_rows
-from ingest.shift import FIELDS, shift_rows
+from ingest.shift import FIELDS, fields_of, shift_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
@@ -234,8 +234,8 @@ def test_ray_data_peer_packs_the_rows_our_stream_packs(seed):
     starts = np.concatenate([np.eye(1, len(d) + 1, dtype=bool)[0] for d in docs])
     n = len(theirs["inputs"])
     assert n == (len(flat) - 1) // seq_len
-    ours = shift_rows(*concat_rows(flat, starts, n, seq_len, seq_len + 1), shift="left",
-                      predict_across_documents=False, eos_id=eos)
+    ours = fields_of(*shift_rows(*concat_rows(flat, starts, n, seq_len, seq_len + 1),
+                                 shift="left", predict_across_documents=False, eos_id=eos))
     for i, field in enumerate(FIELDS):
         np.testing.assert_array_equal(theirs[field], ours[i], err_msg=field)
 

@@ -87,8 +87,9 @@ def test_check_memory_passes_sizes_that_fit_and_names_the_machines_memory(tmp_pa
     assert total > 2**28 and ("physical memory" in what or "limit" in what)
     config = load_config(str(_write(tmp_path, BASE)))
     check_memory(config)  # 8 rows of 32 tokens
-    # The same sizes against a memory just below their need: 6 batches + 4 x 4 chunks.
-    need = (6 * 8 + 4 * 4 * config.chunk_rows) * 32 * 24
+    # The same sizes against a memory just below their need: 6 batches of six int32 fields,
+    # and 4 x 4 chunks of 14 bytes a token (two int32 token fields, three uint16 layout ones).
+    need = (6 * 8 * 24 + 4 * 4 * config.chunk_rows * 14) * 32
     check_memory(config, memory=(need, "a test budget"))
     with pytest.raises(ConfigError, match=r"the batches \(36.0 KiB: 6 x 8 rows x seq_len=32 x 6 "
                                           r"fields x 4 bytes\) and chunks .* more than this "
@@ -115,7 +116,7 @@ def _limited() -> None:
      [r"batch_rampup step 10: global_batch_size=8 x 5e\+07 = 400000000 rows: 400,000,000 rows "
       r"on this host .* Lower that factor or seq_len"]),
     ("materialize", {"seq_len": 1_000_000_000, "num_epochs": 1},
-     [r"chunk_rows=1 \(automatic\) x seq_len=1,000,000,000 x 6 fields x 4 bytes = 22.4 GiB per "
+     [r"chunk_rows=1 \(automatic\) x seq_len=1,000,000,000 x 20 bytes a token = 18.6 GiB per "
       r"chunk; 4 "
       r"stream\(s\) keep up to prefetch=2 \+ 2 chunks each"]),
 ])

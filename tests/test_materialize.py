@@ -25,6 +25,7 @@ from helpers import assert_resumes_identically, drain, make_config, write_parque
 from test_cli import cli_env, ingest_command
 
 from ingest import (
+    FIELDS,
     BadInputError,
     Config,
     ConfigError,
@@ -34,7 +35,7 @@ from ingest import (
     step_digest,
 )
 from ingest.replay import ReplayStream
-from ingest.segments import read_manifest, read_segment
+from ingest.segments import SegmentWriter, read_manifest, read_segment
 from ingest.stream import open_stream
 from jax_side import HostFeed, batch_sharding
 from jax_side.materialize import materialize_corpus
@@ -339,6 +340,25 @@ def test_a_damaged_segment_stops_replay_naming_it_and_its_fix(config, materializ
                                                 r"manifest .*`ingest materialize`") as e:
             feed_digests(replay_config(out, config))
         assert e.value.path == str(out / seg["path"]) and e.value.reason == "corrupt_segment"
+
+
+def test_a_segment_whose_target_positions_differ_is_refused(config, materialized, tmp_path):
+    # A chunk keeps one copy of the positions (every packing gives targets the inputs'), so a
+    # segment that says otherwise, hashes and all, is refused rather than read as the inputs'.
+    out = _copy(materialized, tmp_path / "out")
+    m = read_manifest(str(out))
+    seg = m["streams"][1]["segments"][0]
+    fields = read_segment(str(out / seg["path"]), config.seq_len)
+    fields[FIELDS.index("targets_position"), 0, 1] += 1
+    w = SegmentWriter(str(out), 1, 0, config.seq_len)
+    w.append(fields)
+    record = w.commit(None, 0)
+    seg.update({k: record[k] for k in ("sha256", "file_sha256", "bytes")})
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BadInputError, match=r"segment 0 of stream 1\) has targets_position "
+                                            r"other than inputs_position in row group 0") as e:
+        feed_digests(replay_config(out, config))
+    assert e.value.reason == "corrupt_segment"
 
 
 def test_deleting_a_damaged_segments_record_and_rerunning_materialize_repairs_it(

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.shift import FIELDS, concat_fields, shift_rows
+from ingest.shift import FIELDS, fields_of, layout_dtype
+from ingest.shift import concat_fields as _concat_fields
+from ingest.shift import shift_rows as _shift_rows
 
 EOS = 999
 PROPERTY = settings(max_examples=50, deadline=None)
@@ -18,6 +20,16 @@ PROPERTY = settings(max_examples=50, deadline=None)
 # Documents: ordinary ids 1..500 (never EOS); the packers see each followed by EOS.
 documents = st.lists(st.lists(st.integers(1, 500), min_size=0, max_size=30), min_size=1,
                      max_size=12)
+
+
+def concat_fields(*args, **kw) -> np.ndarray:
+    """``ingest.shift.concat_fields`` as one int32 ``[6, n, L]`` array."""
+    return fields_of(*_concat_fields(*args, **kw))
+
+
+def shift_rows(*args, **kw) -> np.ndarray:
+    """``ingest.shift.shift_rows`` as one int32 ``[6, n, L]`` array."""
+    return fields_of(*_shift_rows(*args, **kw))
 
 
 def flatten(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -282,3 +294,28 @@ def test_shift_right_puts_eos_first_and_keeps_targets():
     assert out[F["inputs"], 0].tolist() == [EOS, a, b, EOS]
     assert out[F["targets"], 0].tolist() == [a, b, EOS, c]
     assert out[F["targets_segmentation"], 0].tolist() == [1, 1, 1, 2]
+
+
+@pytest.mark.parametrize("seq_len", [65535, 65536])
+def test_positions_and_segment_ids_are_exact_at_the_largest_seq_lens(seq_len):
+    # Below 65536 a chunk keeps positions and segment ids as uint16, computed modulo 65536 over
+    # cells past 65536; from 65536 on (a segment id could reach it) as int32.
+    rng = np.random.default_rng(seq_len)
+    docs = [rng.integers(1, 500, n).tolist() for n in (70_000, 2, 65_534, 0, 40_000, 1, 30_000)]
+    tokens, starts = flatten(docs)
+    n_rows = 3
+    tok, layout = _concat_fields(tokens, starts, n_rows, seq_len, shift="left",
+                                 predict_across_documents=False, eos_id=EOS)
+    assert layout.dtype == layout_dtype(seq_len) == (np.uint16 if seq_len < 65536 else np.int32)
+    fields = fields_of(tok, layout)
+    cells = n_rows * seq_len
+    pos, seg = [0] * cells, [1] * cells
+    for i in range(1, cells):
+        if i % seq_len:  # a row start keeps position 0 and segment 1
+            pos[i] = 0 if starts[i] else pos[i - 1] + 1
+            seg[i] = seg[i - 1] + int(starts[i])
+    got_pos = fields[F["inputs_position"]].reshape(-1)
+    assert got_pos.tolist() == pos
+    assert fields[F["targets_position"]].reshape(-1).tolist() == pos
+    assert fields[F["inputs_segmentation"]].reshape(-1).tolist() == seg
+    assert int(got_pos.max()) == seq_len - 1  # the 70,000-token document fills row 0

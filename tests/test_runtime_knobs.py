@@ -39,7 +39,7 @@ def rule(seq_len: int, num_streams: int, workers: int, budget_mb: float | None,
     """The documented rule, written out independently of the config's code: about 1M tokens a
     call over a worker's share of the streams, at least 128k a chunk, within the budget."""
     share = max(1, num_streams // workers)
-    row_bytes = 24 * seq_len
+    row_bytes = (14 if seq_len < 65536 else 20) * seq_len  # tokens int32, layout uint16
     budget = (budget_mb if budget_mb is not None else AUTO_BUDGET_MB) * 2**20
     tokens = max(CHUNK_TOKENS, CALL_TOKENS // share)
     rows = min(tokens // seq_len, math.floor(budget / (num_streams * (prefetch + 1)

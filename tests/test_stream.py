@@ -89,6 +89,21 @@ def test_resume_across_epoch_boundary_keeps_the_carried_partial_row(corpus, pack
         assert sorted(map(tuple, docs[len(texts):])) == expected
 
 
+@pytest.mark.parametrize("shift", ["left", "right"])
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_a_chunk_keeps_its_fields_in_the_bytes_the_object_store_bound_counts(corpus, packing,
+                                                                            shift):
+    config = corpus_config(corpus, packing=packing, shift=shift, chunk_rows=4)
+    chunk = Stream(config, build_plan(config), 0).produce(config.chunk_rows)
+    assert chunk.num_rows == config.chunk_rows
+    assert chunk.tokens.dtype == np.int32 and chunk.layout.dtype == np.uint16
+    assert chunk.tokens.nbytes + chunk.layout.nbytes == config.chunk_bytes
+    fields = chunk.fields
+    out = np.full((len(F), 7, config.seq_len), -1, np.int32)
+    chunk.copy_rows(out, 2, 1, 3)
+    np.testing.assert_array_equal(out[:, 2:5], fields[:, 1:4])
+    assert (out[:, :2] == -1).all() and (out[:, 5:] == -1).all()
+
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_resume_with_different_rows_per_produce_gives_identical_rows(corpus, packing):
     config = corpus_config(corpus, packing=packing, num_epochs=2)
