@@ -171,6 +171,34 @@ def test_the_ratio_to_the_limit_is_the_median_over_runs_each_between_two_limits(
     assert "3 runs of it, each between two measures of the limit" in table
 
 
+def test_a_grain_pipeline_counts_its_median_run_and_the_table_lists_every_run():
+    """Grain runs three times; the grain ratio divides by its median run, never its best or
+    worst, and a failed run is listed but not counted."""
+    from benchmarks.bench import _median_run, _ratios, format_table
+
+    runs = [{"tokens_per_s": 8.0e6, "steady_tokens_per_s": 8.1e6,
+             "tokens_per_s_with_startup": 6.0e6, "startup_s": 1.4},
+            {"error": "grain failed"},
+            {"tokens_per_s": 5.0e6, "steady_tokens_per_s": 5.2e6,
+             "tokens_per_s_with_startup": 4.0e6, "startup_s": 1.5},
+            {"tokens_per_s": 9.0e6, "steady_tokens_per_s": 9.3e6,
+             "tokens_per_s_with_startup": 7.0e6, "startup_s": 1.3}]
+    got = _median_run(runs)
+    assert got["tokens_per_s"] == 8.0e6 and got["steady_tokens_per_s"] == 8.1e6
+    assert got["runs_tokens_per_s"] == [8.0e6, None, 5.0e6, 9.0e6]
+    assert _median_run(runs[:1]) == runs[0]  # one run: as it is
+    assert _median_run([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    cpus = results["setting"]["cpus"]
+    results["peers"] = {"grain": {**got, "tokens_per_s": 4.0e6, "steady_tokens_per_s": 4.0e6}}
+    half = _ratios(results, cpus)["ours_over_grain"]
+    results["peers"] = {"grain": got}
+    results["ratios"] = _ratios(results, cpus)
+    assert results["ratios"]["ours_over_grain"] == pytest.approx(half / 2)
+    (line,) = [x for x in format_table(results).splitlines() if x.startswith("grain, 1 process")]
+    assert "the median of 4 runs: 8.00 M, failed, 5.00 M, 9.00 M" in line
+
+
 def test_a_peer_whose_first_batch_came_late_is_no_best_peer():
     """A peer that spent most of its run before its first batch delivered batches already
     made: its rate from the first batch is left out of the best peer, and the table says why."""
