@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ingest.config import Config
-from ingest.shift import FIELD_PLACES, fields_of
+from ingest.shift import field_views, fields_of
 from ingest.units import UnitPlan
 
 __all__ = ["Chunk", "ChunkStream", "state_from_json"]
@@ -77,8 +77,7 @@ class Chunk:
         """Each of FIELDS as a ``[num_rows, seq_len]`` view of ``tokens`` or ``layout``, made
         on first use (a host copies a chunk's rows a few at a time)."""
         if self._views is None:
-            arrays = (self.tokens, self.layout)
-            self._views = tuple(arrays[which][j] for which, j in FIELD_PLACES)
+            self._views = field_views(self.tokens, self.layout)
         return self._views
 
 

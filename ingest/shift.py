@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 __all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "chunk_token_bytes",
-           "concat_fields", "fields_of", "layout_dtype", "new_rows", "shift_rows"]
+           "concat_fields", "field_views", "fields_of", "layout_dtype", "new_rows", "shift_rows"]
 
 # Sorted by name: the digest and the chunk layout both use this order.
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation",
@@ -54,13 +54,18 @@ def chunk_token_bytes(seq_len: int) -> int:
     return 4 * len(TOKEN_FIELDS) + layout_dtype(seq_len).itemsize * len(LAYOUT_FIELDS)
 
 
+def field_views(tokens: np.ndarray, layout: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each of FIELDS as a ``[rows, seq_len]`` view of a chunk's ``tokens`` or ``layout``."""
+    arrays = (tokens, layout)
+    return tuple(arrays[which][j] for which, j in FIELD_PLACES)
+
+
 def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:
     """A chunk's ``tokens`` and ``layout`` arrays as one int32 ``[6, rows, seq_len]`` array,
     fields in ``FIELDS`` order (a new array)."""
     out = np.empty((len(FIELDS), *tokens.shape[1:]), np.int32)
-    arrays = (tokens, layout)
-    for i, (which, j) in enumerate(FIELD_PLACES):
-        out[i] = arrays[which][j]
+    for dst, src in zip(out, field_views(tokens, layout), strict=True):
+        dst[...] = src
     return out
 
 
