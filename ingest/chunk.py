@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from ingest.config import Config
-from ingest.shift import field_views, fields_of
+from ingest.shift import batch_groups, copy_rows, fields_of
 from ingest.units import UnitPlan
 
 __all__ = ["Chunk", "ChunkStream", "state_from_json"]
@@ -31,7 +30,7 @@ class Chunk:
 
     The six fields of ``FIELDS`` are kept in two arrays (``TOKEN_FIELDS``,
     ``LAYOUT_FIELDS``); ``fields`` gives them as one int32 array, ``copy_rows`` copies rows
-    into one.
+    into a batch's.
 
     Attributes:
       stream_id: the stream.
@@ -50,11 +49,6 @@ class Chunk:
     state_after: dict[str, Any]
     exhausted: bool
     documents: np.ndarray | None = None
-    _views: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, repr=False,
-                                                               compare=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_views": None}  # views of the arrays: not sent twice
 
     @property
     def num_rows(self) -> int:
@@ -66,19 +60,13 @@ class Chunk:
         array)."""
         return fields_of(self.tokens, self.layout)
 
-    def copy_rows(self, out: Sequence[np.ndarray], at: int, start: int, n: int) -> None:
-        """Copies rows ``[start, start + n)`` into rows ``[at, at + n)`` of ``out``: six int32
-        ``[rows, seq_len]`` arrays in ``FIELDS`` order (an int32 ``[6, rows, seq_len]`` array
-        is one; a tuple of its fields, made once for many calls, saves a view per field)."""
-        for dst, src in zip(out, self._sources(), strict=True):
-            dst[at:at + n] = src[start:start + n]
-
-    def _sources(self) -> tuple[np.ndarray, ...]:
-        """Each of FIELDS as a ``[num_rows, seq_len]`` view of ``tokens`` or ``layout``, made
-        on first use (a host copies a chunk's rows a few at a time)."""
-        if self._views is None:
-            self._views = field_views(self.tokens, self.layout)
-        return self._views
+    def copy_rows(self, out: np.ndarray | tuple[np.ndarray, ...], at: int, start: int,
+                  n: int) -> None:
+        """Copies rows ``[start, start + n)`` into rows ``[at, at + n)`` of ``out``: an int32
+        ``[6, rows, seq_len]`` array in ``FIELDS`` order, or its ``batch_groups`` (made once
+        for many calls, which saves making them each time)."""
+        groups = batch_groups(out) if isinstance(out, np.ndarray) else out
+        copy_rows(groups, self.tokens, self.layout, at, start, n)
 
 
 class ChunkStream(abc.ABC):

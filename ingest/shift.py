@@ -23,8 +23,9 @@ import functools
 
 import numpy as np
 
-__all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "chunk_token_bytes",
-           "concat_fields", "field_views", "fields_of", "layout_dtype", "new_rows", "shift_rows"]
+__all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "batch_groups",
+           "chunk_token_bytes", "concat_fields", "copy_rows", "field_views", "fields_of",
+           "layout_dtype", "new_rows", "shift_rows"]
 
 # Sorted by name: the digest and the chunk layout both use this order.
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation",
@@ -58,6 +59,31 @@ def field_views(tokens: np.ndarray, layout: np.ndarray) -> tuple[np.ndarray, ...
     """Each of FIELDS as a ``[rows, seq_len]`` view of a chunk's ``tokens`` or ``layout``."""
     arrays = (tokens, layout)
     return tuple(arrays[which][j] for which, j in FIELD_PLACES)
+
+
+def batch_groups(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's int32 ``[6, rows, seq_len]`` array (FIELDS order) as three ``[2, rows,
+    seq_len]`` views: the tokens (inputs, targets), the positions and the segment ids, each
+    inputs' then targets'. ``copy_rows`` fills each group with one copy.
+
+    Raises:
+      ValueError: ``out`` is not C-contiguous (its groups would be a copy, not views).
+    """
+    if not out.flags.c_contiguous:
+        raise ValueError(f"batch_groups needs a C-contiguous [6, rows, seq_len] array, got "
+                         f"shape {out.shape} with strides {out.strides}")
+    by_side = out.reshape(2, 3, *out.shape[1:])  # FIELDS: inputs' three fields, targets' three
+    return by_side[:, 0], by_side[:, 1], by_side[:, 2]
+
+
+def copy_rows(groups: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: np.ndarray,
+              layout: np.ndarray, at: int, start: int, n: int) -> None:
+    """Copies a chunk's rows ``[start, start + n)`` into rows ``[at, at + n)`` of a batch's
+    ``batch_groups``: three copies, the layout's widened to int32 on the way."""
+    tok, pos, seg = groups
+    tok[:, at:at + n] = tokens[:, start:start + n]
+    pos[:, at:at + n] = layout[:1, start:start + n]  # inputs_position, also targets_position
+    seg[:, at:at + n] = layout[1:, start:start + n]  # inputs' and targets' segment ids
 
 
 def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ingest.shift import FIELDS
+from ingest.shift import FIELDS, batch_groups
 from jax_side.chunk_intake import ChunkIntake
 from jax_side.host_buffers import aligned_empty
 from jax_side.private_api import put_arrays
@@ -91,10 +91,10 @@ class AssembledStep:
 def fill_local_batch(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int) -> LocalBatch:
     """Takes ``k`` rows of each of ``rows.streams`` from ``intake`` into a new local batch."""
     local = aligned_empty((len(FIELDS), rows.stop - rows.start, seq_len))
-    fields = tuple(local)
+    groups = batch_groups(local)
     got = padding_rows = 0
     for j, s in enumerate(rows.streams):
-        n = intake.take(s, fields, j * k, k)
+        n = intake.take(s, groups, j * k, k)
         if n < k:
             local[:, j * k + n:(j + 1) * k] = 0  # the stream ended: padding rows
         got += n

@@ -12,14 +12,14 @@ ends, so a cursor is that state plus the rows taken past it::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
 from ingest.config import Config
 from ingest.plan import UnitPlan
-from ingest.shift import FIELDS
+from ingest.shift import FIELDS, batch_groups
 from ingest.stream import Chunk
 from jax_side.feed_stats import PoolStats
 from jax_side.local_source import LocalSource
@@ -178,10 +178,9 @@ class ChunkIntake:
         """Rows of each stream's current chunk not taken yet."""
         return [c.rows - c.taken for c in self.cursors.values()]
 
-    def take(self, s: int, out: Sequence[np.ndarray], row0: int, k: int) -> int:
-        """Copies up to k rows of stream s into rows ``row0...`` of ``out`` (six int32
-        ``[rows, seq_len]`` arrays in ``FIELDS`` order, ``Chunk.copy_rows``); returns rows
-        copied."""
+    def take(self, s: int, out: tuple[np.ndarray, ...], row0: int, k: int) -> int:
+        """Copies up to k rows of stream s into rows ``row0...`` of ``out`` (a batch's
+        ``batch_groups``, ``Chunk.copy_rows``); returns rows copied."""
         c = self.cursors[s]
         filled = 0
         while filled < k:
@@ -203,10 +202,11 @@ class ChunkIntake:
         of each."""
         n = max(1, self.config.chunk_rows)
         scratch = np.empty((len(FIELDS), n, self.config.seq_len), np.int32)
+        groups = batch_groups(scratch)
         seg = FIELDS.index("inputs_segmentation")
         for s in self.streams:
             while True:
-                got = self.take(s, tuple(scratch), 0, n)
+                got = self.take(s, groups, 0, n)
                 yield got, int(np.count_nonzero(scratch[seg, :got]))
                 if got < n:
                     break

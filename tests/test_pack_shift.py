@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.shift import FIELDS, fields_of, layout_dtype
+from ingest.shift import FIELDS, batch_groups, copy_rows, fields_of, layout_dtype
 from ingest.shift import concat_fields as _concat_fields
 from ingest.shift import shift_rows as _shift_rows
 
@@ -319,3 +319,17 @@ def test_positions_and_segment_ids_are_exact_at_the_largest_seq_lens(seq_len):
     assert fields[F["targets_position"]].reshape(-1).tolist() == pos
     assert fields[F["inputs_segmentation"]].reshape(-1).tolist() == seg
     assert int(got_pos.max()) == seq_len - 1  # the 70,000-token document fills row 0
+
+
+@pytest.mark.parametrize("layout_type", [np.uint16, np.int32])
+def test_copy_rows_fills_a_batchs_rows_as_fields_of_gives_them_and_no_others(layout_type):
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 50_000, (2, 5, 8), dtype=np.int32)
+    layout = rng.integers(0, 60_000, (3, 5, 8)).astype(layout_type)
+    out = np.full((len(FIELDS), 7, 8), -1, np.int32)
+    copy_rows(batch_groups(out), tok, layout, 4, 1, 3)
+    np.testing.assert_array_equal(out[:, 4:7], fields_of(tok, layout)[:, 1:4])
+    np.testing.assert_array_equal(out[F["targets_position"]], out[F["inputs_position"]])
+    assert (out[:, :4] == -1).all()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        batch_groups(out[:, ::2])  # its groups would be copies: the rows would be lost
