@@ -24,8 +24,8 @@ import functools
 import numpy as np
 
 __all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "batch_groups",
-           "chunk_token_bytes", "concat_fields", "copy_rows", "field_views", "fields_of",
-           "layout_dtype", "new_rows", "shift_rows"]
+           "chunk_token_bytes", "concat_fields", "copy_rows", "fields_of", "layout_dtype",
+           "new_rows", "shift_rows"]
 
 # Sorted by name: the digest and the chunk layout both use this order.
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation",
@@ -53,12 +53,6 @@ def layout_dtype(seq_len: int) -> np.dtype:
 def chunk_token_bytes(seq_len: int) -> int:
     """Bytes a chunk keeps per token (per row and position): its tokens and its layout."""
     return 4 * len(TOKEN_FIELDS) + layout_dtype(seq_len).itemsize * len(LAYOUT_FIELDS)
-
-
-def field_views(tokens: np.ndarray, layout: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Each of FIELDS as a ``[rows, seq_len]`` view of a chunk's ``tokens`` or ``layout``."""
-    arrays = (tokens, layout)
-    return tuple(arrays[which][j] for which, j in FIELD_PLACES)
 
 
 def batch_groups(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,8 +84,7 @@ def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:
     """A chunk's ``tokens`` and ``layout`` arrays as one int32 ``[6, rows, seq_len]`` array,
     fields in ``FIELDS`` order (a new array)."""
     out = np.empty((len(FIELDS), *tokens.shape[1:]), np.int32)
-    for dst, src in zip(out, field_views(tokens, layout), strict=True):
-        dst[...] = src
+    copy_rows(batch_groups(out), tokens, layout, 0, 0, tokens.shape[1])
     return out
 
 

@@ -322,14 +322,16 @@ def test_positions_and_segment_ids_are_exact_at_the_largest_seq_lens(seq_len):
 
 
 @pytest.mark.parametrize("layout_type", [np.uint16, np.int32])
-def test_copy_rows_fills_a_batchs_rows_as_fields_of_gives_them_and_no_others(layout_type):
+def test_copy_rows_puts_each_field_of_a_chunks_rows_in_place_and_touches_no_others(layout_type):
     rng = np.random.default_rng(0)
     tok = rng.integers(0, 50_000, (2, 5, 8), dtype=np.int32)
     layout = rng.integers(0, 60_000, (3, 5, 8)).astype(layout_type)
     out = np.full((len(FIELDS), 7, 8), -1, np.int32)
     copy_rows(batch_groups(out), tok, layout, 4, 1, 3)
-    np.testing.assert_array_equal(out[:, 4:7], fields_of(tok, layout)[:, 1:4])
-    np.testing.assert_array_equal(out[F["targets_position"]], out[F["inputs_position"]])
+    for name, src in (("inputs", tok[0]), ("targets", tok[1]), ("inputs_position", layout[0]),
+                      ("targets_position", layout[0]), ("inputs_segmentation", layout[1]),
+                      ("targets_segmentation", layout[2])):
+        np.testing.assert_array_equal(out[F[name], 4:7], src[1:4], err_msg=name)
     assert (out[:, :4] == -1).all()
     with pytest.raises(ValueError, match="C-contiguous"):
         batch_groups(out[:, ::2])  # its groups would be copies: the rows would be lost
