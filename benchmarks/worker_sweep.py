@@ -38,7 +38,7 @@ from benchmarks.bench import child_env, machine_facts, package_versions
 from benchmarks.corpus import make_spec
 from benchmarks.measure import busy_between, machine_steal_s, run_measured
 
-__all__ = ["default_points", "main"]
+__all__ = ["default_points", "main", "point_plan"]
 
 TIMEOUT_S = 300.0  # one run of the sweep
 
@@ -55,6 +55,18 @@ def default_points(cpus: int) -> list[int]:
         points.append(w)
         w *= 2
     return [*points, top]
+
+
+def point_plan(workers: int, seconds: float, limit: float, config: dict[str, Any],
+               corpus_tokens: int | None) -> tuple[int, int]:
+    """(steps, epochs) of a point: the steps ``workers`` cores at ``limit`` tokens/s make in
+    ``seconds`` (at least 50), in the batches of ``config`` (its ``seq_len`` and
+    ``global_batch_size``, overrides included), over enough epochs to last them."""
+    tokens_per_step = config["seq_len"] * config["global_batch_size"]
+    steps = max(50, math.ceil(seconds * workers * limit / tokens_per_step))
+    epochs = (math.ceil(1.2 * steps * tokens_per_step / corpus_tokens) + 1
+              if corpus_tokens else 1)
+    return steps, max(1, epochs)
 
 
 def _limits_on_cores(spec_path: str, cores: list[int], env: dict[str, str],
@@ -143,13 +155,10 @@ def sweep(config: str | None, points: list[int], seconds: float, *,
             limit = limit or one["tokens_per_s"]
             corpus_tokens = one["tokens"] if one["complete"] else None
         results["limit"] = {"tokens_per_s": limit, "corpus_tokens": corpus_tokens}
-        tokens_per_step = spec.seq_len * spec.global_batch_size
         runs = []
         for w in points:
-            steps = max(50, math.ceil(seconds * w * limit / tokens_per_step))
-            epochs = (math.ceil(1.2 * steps * tokens_per_step / corpus_tokens) + 1
-                      if corpus_tokens else 1)
-            cfg = dict(spec.config, num_epochs=max(1, epochs))
+            steps, epochs = point_plan(w, seconds, limit, spec.config, corpus_tokens)
+            cfg = dict(spec.config, num_epochs=epochs)
             path = os.path.join(tmp, f"run-{w}.yaml")
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(cfg, f)

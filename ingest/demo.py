@@ -74,7 +74,7 @@ def demo_config(**overrides) -> Config:
     share): over 3 epochs on 2 CPUs, 13.0 M tokens/s against 10.9 M with a call per chunk,
     with the same chunks, startup and object-store bound, and the host spends 0.16 of a core
     against 0.22 (benchmarks/RESULTS.md). On more CPUs a worker serves fewer streams and its
-    chunks grow to keep about 1M tokens a call (910 rows on 16 workers, within the default
+    chunks grow to keep about 1M tokens a call (1024 rows on 16 workers, within the default
     1 GiB bound).
     """
     fields = dict(sources=(SourceConfig(paths=(write_demo_corpus(),), text_column="text"),),

@@ -392,6 +392,23 @@ def test_worker_sweep_leaves_one_cpu_to_the_host():
     assert default_points(16) == [1, 2, 4, 8, 15]
 
 
+def test_worker_sweep_sizes_a_point_by_the_batches_its_overrides_give():
+    from benchmarks.worker_sweep import point_plan
+
+    config = {"seq_len": 1024, "global_batch_size": 32}
+    steps, epochs = point_plan(16, 5.0, 6.5e6, config, 5_000_000)
+    assert steps == -(-5 * 16 * 6_500_000 // (32 * 1024))
+    # 1.2 x the tokens the steps take, plus an epoch
+    assert epochs == -(-12 * steps * 32 * 1024 // 50_000_000) + 1
+    # four times the rows a step: a quarter of the steps, as many epochs
+    steps4, epochs4 = point_plan(16, 5.0, 6.5e6, dict(config, global_batch_size=128),
+                                 5_000_000)
+    assert steps4 == -(-steps // 4)
+    assert abs(epochs4 - epochs) <= 1
+    assert point_plan(1, 0.01, 1e3, config, 5_000_000) == (50, 2)  # at least 50 steps
+    assert point_plan(2, 5.0, 6.5e6, config, None)[1] == 1  # corpus size not known
+
+
 @pytest.mark.slow
 def test_worker_sweep_sizes_each_point_by_its_workers_and_records_each_worker(tmp_path):
     config = _small_config(tmp_path, 5)
