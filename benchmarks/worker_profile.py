@@ -33,15 +33,16 @@ from benchmarks.corpus import make_spec
 
 __all__ = ["main", "split_worker_trace"]
 
-# Frames of the produce path, as py-spy names them (Class.method or function).
+# Frames of the produce path, as py-spy names them (Class.method or function). A frame inside
+# another of its own part (a fast backend falling back to tiktoken) counts once.
 PARTS = {
-    "tokenize": "TiktokenTokenizer.encode_docs",
-    "tokenize_hf": "HFTokenizer.encode_docs",
-    "parquet_read": "read_texts",
-    "utf8_decode": "decode_texts",
-    "shift": "shift_rows",
-    "pack_shift": "concat_fields",
-    "state": "Stream.get_state",
+    "tokenize": ("TiktokenTokenizer.encode_docs", "FastBPETokenizer.encode_docs"),
+    "tokenize_hf": ("HFTokenizer.encode_docs",),
+    "parquet_read": ("read_texts",),
+    "utf8_decode": ("decode_texts",),
+    "shift": ("shift_rows",),
+    "pack_shift": ("concat_fields",),
+    "state": ("Stream.get_state",),
 }
 
 
@@ -51,7 +52,7 @@ def split_worker_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     if tid is None:
         raise ValueError("no StreamWorker.produce frame in the trace: the worker never produced")
     totals = dict.fromkeys([*PARTS, "produce", "serialize"], 0.0)
-    names = {v: k for k, v in PARTS.items()}
+    names = {name: part for part, frames in PARTS.items() for name in frames}
     stack: list[tuple[str, float]] = []
     first = last = None
     for e in events:
@@ -65,7 +66,8 @@ def split_worker_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         name, began = stack.pop()
         seconds = (e["ts"] - began) / 1e6
         if name in names:
-            totals[names[name]] += seconds
+            if not any(names.get(outer) == names[name] for outer, _ in stack):
+                totals[names[name]] += seconds
         elif name == "StreamWorker.produce":
             totals["produce"] += seconds
             first = began if first is None else min(first, began)

@@ -383,6 +383,36 @@ def test_busy_between_takes_the_cpu_of_the_samples_inside_the_window():
     assert busy_between(series, 0.5, 3.0, min_s=2.5) is None  # samples 2 s apart
 
 
+def test_worker_profile_counts_a_fast_backends_tokenizer_once():
+    from benchmarks.worker_profile import split_worker_trace
+
+    def frames(tid, spans):  # (name, begin s, end s), nested by time
+        ev = [(b, "B", n) for n, b, _ in spans] + [(e, "E", n) for n, _, e in spans]
+        ev.sort(key=lambda x: (x[0], x[1] == "B"))  # an end before a begin at the same time
+        return [{"tid": tid, "ph": ph, "name": n, "ts": t * 1e6} for t, ph, n in ev]
+
+    events = frames(1, [
+        ("StreamWorker.produce", 0.0, 1.0),
+        ("read_texts", 0.0, 0.1),
+        ("FastBPETokenizer.encode_docs", 0.1, 0.7),
+        ("GuardedTuetoken.encode_docs", 0.1, 0.6),
+        ("TiktokenTokenizer.encode_docs", 0.6, 0.7),  # a fallback inside the fast backend
+        ("concat_fields", 0.7, 0.8),
+        ("StreamWorker.produce", 1.5, 2.0),
+        ("TiktokenTokenizer.encode_docs", 1.5, 1.9),
+    ]) + frames(2, [("TiktokenTokenizer.encode_docs", 0.0, 5.0)])  # another thread: ignored
+    r = split_worker_trace(events)
+    assert r["window_s"] == pytest.approx(2.0)
+    sec = r["seconds"]
+    assert sec["tokenize"] == pytest.approx(0.6 + 0.4)
+    assert sec["parquet_read"] == pytest.approx(0.1)
+    assert sec["pack_shift"] == pytest.approx(0.1)
+    assert sec["produce"] == pytest.approx(1.5)
+    f = r["fractions_of_window"]
+    assert f["outside_produce"] == pytest.approx(0.25)
+    assert f["produce_other"] == pytest.approx((1.5 - 1.2) / 2.0)
+
+
 def test_worker_sweep_leaves_one_cpu_to_the_host():
     from benchmarks.worker_sweep import default_points
 
