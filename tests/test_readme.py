@@ -13,8 +13,11 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import warnings
 
 import pytest
 import yaml
@@ -60,12 +63,33 @@ print(json.dumps({"tokens_seen": int(namespace["params"]["tokens_seen"]),
 """
 
 
+# XLA's CPU runtime can deadlock jitted steps whose collective spans several forced CPU devices
+# when many of them are in flight, with no feed involved (docs/batches.md): the all-reduce's
+# rendezvous waits for a device that never arrives, and XLA aborts the process after 40 s.
+XLA_CPU_STUCK = "of them arrived on time"
+
+
 def _run(blocks: list[str]) -> dict:
-    """The blocks run as a reader's script: a new process (8 CPU devices), this directory."""
+    """The blocks run as a reader's script: a new process (8 CPU devices), this directory.
+
+    A run that XLA:CPU's deadlock aborted runs once more, from the checkpoints it began with.
+    """
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(blocks), env=env,
-                         capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory() as tmp:
+        before = pathlib.Path(tmp) / "ckpt"
+        if pathlib.Path("ckpt").exists():
+            shutil.copytree("ckpt", before)
+        for attempt in (1, 2):
+            out = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(blocks),
+                                 env=env, capture_output=True, text=True, timeout=300)
+            if out.returncode == 0 or attempt == 2 or XLA_CPU_STUCK not in out.stderr:
+                break
+            warnings.warn("XLA:CPU's collective deadlock aborted the README example; "
+                          "running it once more", stacklevel=2)
+            shutil.rmtree("ckpt", ignore_errors=True)
+            if before.exists():
+                shutil.copytree(before, "ckpt")
     assert out.returncode == 0, f"the README example failed:\n{out.stderr[-4000:]}"
     return json.loads(out.stdout.splitlines()[-1])
 
