@@ -787,9 +787,10 @@ def test_stats_report_the_live_worker_count_after_the_pool_resizes_itself(
 
 def test_the_consumer_thread_makes_the_device_arrays(config, plan, sharding_1d, monkeypatch):
     """The producer thread hands over host rows; ``next`` transfers them, on the thread that
-    runs the step. With the transfer on the producer thread, a jitted step whose all-reduce
-    spans the 8 devices now and then found one device missing from XLA's rendezvous, and XLA
-    aborted the process after 40 s: here, passes of a summing step on every batch."""
+    runs the step: here, passes of a jitted summing step over the 8 devices on every batch.
+    XLA:CPU can deadlock such a step's all-reduce when many are in flight, feed or no feed
+    (docs/batches.md), and abort the whole process after 40 s: the loop blocks on the total
+    every 4 steps."""
     import jax_side.batch_assembly as assembly
 
     made_on: set[int] = set()
@@ -810,8 +811,10 @@ def test_the_consumer_thread_makes_the_device_arrays(config, plan, sharding_1d, 
         feed = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan)
         total = jax.numpy.zeros((), jax.numpy.int32)
         with feed:
-            for batch in feed:
+            for i, batch in enumerate(feed):
                 total = step(total, batch)
+                if i % 4 == 3:
+                    total.block_until_ready()
         totals.append(int(total))
     assert made_on == {threading.get_ident()}
     assert totals[0] > 0 and totals == [totals[0]] * 3
