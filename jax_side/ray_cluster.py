@@ -345,6 +345,11 @@ class RayStarter:
     def __init__(self, address: str | None, num_cpus: int | None = None):
         self._error: BaseException | None = None
         self._up = threading.Event()
+        # Whether the thread went on to ray.init (True) or was called off before (False):
+        # decided once, under the lock, by whichever of the thread and ``join(abandon=True)``
+        # comes first.
+        self._decided = threading.Lock()
+        self._starting: bool | None = None
         self._thread = threading.Thread(target=self._run, args=(address, num_cpus),
                                         name="ray.init", daemon=True)
         self._thread.start()
@@ -359,6 +364,12 @@ class RayStarter:
                                 category=RuntimeWarning)
         import ray
 
+        with self._decided:
+            if self._starting is None:
+                self._starting = True
+        if not self._starting:  # the command is already on its way out
+            self._up.set()
+            return
         given = address or os.environ.get("RAY_ADDRESS")
         starts_cluster = not ray.is_initialized() and (not given or given == "local")
         try:
@@ -373,8 +384,21 @@ class RayStarter:
             # fate sharing): this thread stays until the process exits.
             threading.Event().wait()
 
-    def join(self) -> None:
-        """Returns once ray.init has returned or raised (for error paths: raises nothing)."""
+    def join(self, *, abandon: bool = False) -> None:
+        """Returns once ray.init has returned or raised; raises nothing.
+
+        With ``abandon`` (a command on its way out of an error): returns at once where the
+        thread has not reached ray.init yet, which it then never calls. A signal that
+        interrupts this process's imports can leave one of Python's module locks held (the
+        import machinery is Python code, and the signal's exception may land inside it), and
+        the thread, importing Ray beside it, then waits for good; nothing of Ray has started.
+        """
+        if abandon:
+            with self._decided:
+                if self._starting is None:
+                    self._starting = False
+            if not self._starting:
+                return
         self._up.wait()
 
     def wait(self) -> None:

@@ -74,11 +74,11 @@ def run_command(args) -> int:
     except BaseException:
         held.close()
         if ray_started is not None:
-            ray_started.join()  # never exit with ray.init half done
+            ray_started.join(abandon=True)  # never exit with ray.init half done
         raise
     if opened is None:  # the batch does not fit the devices (the message is printed)
         if ray_started is not None:
-            ray_started.join()
+            ray_started.join(abandon=True)
         return 2
     feed, manager = opened
     if ray_started is not None and not warm:

@@ -460,3 +460,39 @@ def test_a_signal_handled_inside_a_destructor_still_interrupts(ray_tmp):
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["interrupted", str(int(signal.SIGTERM))], out.stderr[-2000:]
     assert "Exception ignored" not in out.stderr
+
+
+# A thread holds the import lock of `ray` for 15 s, as a signal that interrupted an import can
+# leave it held for good; the command, on its way out of an error, must not wait for Ray.
+IMPORT_HELD = r"""
+import importlib._bootstrap as bootstrap, sys, threading, time
+assert "ray" not in sys.modules
+held, release = threading.Event(), threading.Event()
+
+def hold():
+    with bootstrap._ModuleLockManager("ray"):
+        held.set()
+        release.wait(15)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+from jax_side.ray_cluster import RayStarter
+starter = RayStarter(None, 1)
+time.sleep(0.5)  # the thread is waiting for the lock now
+t0 = time.monotonic()
+starter.join(abandon=True)
+print("joined after", round(time.monotonic() - t0, 2))
+release.set()
+time.sleep(3)  # the import goes on: the thread must not start Ray after it
+print("ray started:", sys.modules["ray"].is_initialized())
+"""
+
+
+def test_an_error_exit_does_not_wait_for_a_ray_import_that_never_ends(ray_tmp):
+    out = subprocess.run([sys.executable, "-c", IMPORT_HELD], env=env_for(ray_tmp), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stderr[-2000:]
+    assert float(lines[0].split()[-1]) < 2.0, lines  # not the 15 s the lock is held
+    assert lines[1] == "ray started: False"
+    assert own_temp_dirs(ray_tmp) == []
