@@ -6,9 +6,7 @@ The local batch ``[6, rows, seq_len]`` becomes one ``jax.Array`` per field of sh
 ``[B, seq_len]``, what ``jax.make_array_from_process_local_data`` makes of it, in one batched
 transfer (``private_api.put_arrays``). The rows are assembled on the feed's thread; the
 transfer runs on the consumer's (``AssembledStep.arrays``), the thread that dispatches the
-training step: with 8 CPU devices, transfers issued on another thread while a jitted step's
-all-reduce launches can leave one device out of the collective's rendezvous, and XLA then
-aborts the process after 40 s::
+training step, so that transfers and steps reach XLA in the order the user's loop makes them::
 
     host rows  stream 0: r0 r1 | stream 1: r0 pad     k = 2
     local      [6, 4, seq_len] -> inputs, targets, ... each [B, seq_len] on the sharding
