@@ -18,17 +18,19 @@ backend         library call                                          vocabulari
 toktok, rs_bpe and bpe_openai hold named encodings in their compiled code and cannot run
 GPT-2's vocabulary offline. toktok's ids differ from tiktoken's on a few texts with rare
 characters (2 of 20,000 adversarial texts: one splits a text into pieces another way, one
-merges a piece with a supplementary-plane character another way) and equal them on every
-ASCII text tried, so it encodes ASCII texts only (``str.isascii``, which CPython answers
-without a scan); the others go to rs_bpe where it is installed, else to tiktoken
-(``_AsciiToktok``). tuetoken runs a ``tokenizer.json`` made from the tiktoken encoding's
-ranks, and sends texts with characters its older Unicode tables class otherwise to tiktoken
-(``ingest.bpe_tuetoken``). riptoken is built from the tiktoken encoding's own ranks, special tokens
-and pattern. It merges a regex piece of ``LONG_PIECE_BYTES`` bytes or more by another
-algorithm, whose ids can differ from tiktoken's (``"1" * 501`` in GPT-2), so a text that may
-hold such a piece goes to tiktoken (``long_piece_possible``); riptoken also encodes with an
-allowed special token, so a call's documents go to it as one text joined by the
-end-of-document token, as they go to tiktoken (``TiktokenTokenizer.encode_joined``).
+merges a piece with a supplementary-plane character another way) and equal them on every ASCII
+text tried, so it encodes ASCII texts only (``str.isascii``, which CPython answers without a
+scan). A document with other characters is cut at line ends where every cl100k piece ends
+(``ascii_runs``): its ASCII stretches go to toktok, the lines holding other characters to
+rs_bpe where it is installed, else to tiktoken (``_AsciiToktok``). tuetoken runs a
+``tokenizer.json`` made from the tiktoken encoding's ranks, and sends texts with characters its
+older Unicode tables class otherwise to tiktoken (``ingest.bpe_tuetoken``). riptoken is built
+from the tiktoken encoding's own ranks, special tokens and pattern. It merges a regex piece of
+``LONG_PIECE_BYTES`` bytes or more by another algorithm, whose ids can differ from tiktoken's
+(``"1" * 501`` in GPT-2), so a text that may hold such a piece goes to tiktoken
+(``long_piece_possible``); riptoken also encodes with an allowed special token, so a call's
+documents go to it as one text joined by the end-of-document token, as they go to tiktoken
+(``TiktokenTokenizer.encode_joined``).
 
 ``auto`` picks the first backend of ``FASTEST_FIRST`` proven on the vocabulary that is
 installed and passes the load-time self-check, else tiktoken. The self-check encodes
@@ -47,6 +49,7 @@ import importlib.util
 import itertools
 import logging
 import random
+import re
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -57,9 +60,9 @@ from ingest.cache import cached_by_files
 from ingest.private_api import toktok_tokenizer
 
 __all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
-           "adversarial_texts", "checked", "int32_ids", "lists_with_eos", "load_docs_encoder",
-           "load_encoder", "load_joined_encoder", "long_piece_possible", "probe_texts",
-           "self_check"]
+           "adversarial_texts", "ascii_runs", "checked", "int32_ids", "lists_with_eos",
+           "load_docs_encoder", "load_encoder", "load_joined_encoder", "long_piece_possible",
+           "probe_texts", "self_check"]
 
 log = logging.getLogger("ingest.tokenize")
 
@@ -193,6 +196,50 @@ def _runs(text: str, sep: str, key: Callable[[str], bool]) -> Iterator[tuple[boo
         yield flag, sep.join(run) + (sep if done < len(parts) else "")
 
 
+# cl100k's pattern (tiktoken's):
+#   '(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+
+#   |\s++$|\s*[\r\n]|\s+(?!\S)|\s
+# Only the last five alternatives take a newline, and each piece they make with one ends at the
+# last \r or \n of its whitespace run unless the run reaches the text's end ("\s++$"): so where
+# a newline is followed by whitespace without \r or \n and then a character that is not
+# whitespace, a piece ends after the newline, and the pieces on each side are those of the
+# text cut there (the pattern looks behind nowhere; the "$" and "(?!\S)" tests meet the same
+# answer at the cut as in the whole text). Python's \s holds every character of the pattern's
+# \s (and \x1c - \x1f besides), so a cut found here is one there.
+_NOT_ASCII = re.compile(r"[^\x00-\x7f]")
+_LINE_END = re.compile(r"\n(?=[^\S\r\n]*\S)")
+_LINE_START = re.compile(r"[^\S\r\n]*\S")
+
+
+def _cut_before(text: str, lo: int, i: int) -> int:
+    """The last cut (``ascii_runs``) in ``[lo, i]``, else ``lo``."""
+    j = i
+    while (j := text.rfind("\n", lo, j)) >= 0:
+        if _LINE_START.match(text, j + 1):
+            return j + 1
+    return lo
+
+
+def ascii_runs(text: str) -> list[tuple[bool, str]]:
+    """``text`` cut at line ends where every cl100k piece ends, as ``(ascii, part)`` in order:
+    the lines that hold a character outside ASCII (with the lines between two such that no cut
+    separates), and the ASCII stretches between them. The parts' ids, back to back, are the
+    text's."""
+    out: list[tuple[bool, str]] = []
+    start = 0
+    while (m := _NOT_ASCII.search(text, start)) is not None:
+        a = _cut_before(text, start, m.start())
+        end = _LINE_END.search(text, m.end())
+        b = len(text) if end is None else end.end()
+        if a > start:
+            out.append((True, text[start:a]))
+        out.append((False, text[a:b]))
+        start = b
+    if start < len(text):
+        out.append((True, text[start:]))
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _riptoken_core(encoding):
     """riptoken's encoder of a tiktoken ``Encoding``: its ranks, special tokens and pattern."""
@@ -240,8 +287,9 @@ def _ascii_toktok(encoding: str, reference) -> _AsciiToktok:
 
 
 class _AsciiToktok:
-    """toktok on ASCII texts, where its ids are proven; other texts on rs_bpe where it is
-    installed, else on tiktoken. Both calls give int32 arrays (toktok's uint32 ids, viewed)."""
+    """toktok on ASCII texts, where its ids are proven; in other texts, toktok on their ASCII
+    stretches and rs_bpe (where it is installed, else tiktoken) on the lines with other
+    characters (``ascii_runs``). Both calls give int32 arrays (toktok's uint32 ids, viewed)."""
 
     def __init__(self, encoding: str, reference):
         self._fast = toktok_tokenizer(encoding)
@@ -258,6 +306,15 @@ class _AsciiToktok:
         return self._ordinary_other(text)
 
     def _ordinary_other(self, text: str) -> np.ndarray:
+        """A text with a character outside ASCII: its ASCII stretches on toktok, the rest on
+        ``_other_lines``."""
+        runs = ascii_runs(text)
+        if len(runs) == 1:
+            return self._other_lines(text)
+        return np.concatenate([self._toktok(part, _NO_SPECIALS) if ascii
+                               else self._other_lines(part) for ascii, part in runs])
+
+    def _other_lines(self, text: str) -> np.ndarray:
         if self._other is None:
             return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, _NO_SPECIALS),
                                  dtype=np.int32)
@@ -267,7 +324,7 @@ class _AsciiToktok:
     def encode(self, text: str, allowed: frozenset) -> np.ndarray:
         """``text`` with ``allowed`` special tokens, as int32 ids: runs of ASCII documents (the
         parts between two allowed end-of-document tokens) on toktok, the others one by one
-        on rs_bpe (or together on tiktoken)."""
+        (``encode_ordinary``)."""
         if text.isascii():
             return self._toktok(text, allowed)
         if len(allowed) != 1:
@@ -278,9 +335,6 @@ class _AsciiToktok:
         for ascii_run, segment in _runs(text, sep, str.isascii):
             if ascii_run:
                 out.append(self._toktok(segment, allowed))
-            elif self._other is None:
-                out.append(np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(
-                    segment, allowed), dtype=np.int32))
             else:
                 parts = segment.split(sep)
                 for i, part in enumerate(parts):

@@ -26,6 +26,7 @@ from ingest.bpe_backend import (
     _AsciiToktok,
     accelerate,
     adversarial_texts,
+    ascii_runs,
     checked,
     load_encoder,
     load_joined_encoder,
@@ -251,8 +252,8 @@ def ascii_texts(n: int, seed: int) -> list[str]:
 @pytest.mark.parametrize("vocab", [v for v in BUNDLED if v in PROVEN["toktok"]])
 def test_toktok_gives_tiktoken_ids_on_ascii_and_hands_other_texts_on(vocab):
     """toktok runs ASCII texts only: there its ids are tiktoken's (40,000 generated texts,
-    about 16 M characters). A text with any other character goes to rs_bpe (or, without it,
-    to tiktoken), alone and among ASCII documents in a joined call."""
+    about 16 M characters). In a text with any other character, the lines holding one go to
+    rs_bpe (or, without it, to tiktoken), alone and among ASCII documents in a joined call."""
     reference = load_tokenizer(vocab, "tiktoken")
     enc = reference._enc
     toktok = _AsciiToktok(PROVEN["toktok"][vocab], reference)
@@ -281,6 +282,41 @@ def test_toktok_gives_tiktoken_ids_on_ascii_and_hands_other_texts_on(vocab):
         for got, want in zip(tok.encode_batch(mixed), reference.encode_batch(mixed),
                              strict=True):
             assert got.dtype == np.int32 and np.array_equal(got, want)
+
+
+def test_a_document_with_other_characters_is_cut_only_where_cl100k_pieces_end():
+    """``ascii_runs`` cuts a text outside ASCII at line ends: tiktoken's cl100k ids of the
+    parts, back to back, are the text's, on 20,000 generated texts outside ASCII and 20,000
+    mixes of their lines with ASCII ones (line ends of every kind, whitespace before and after
+    them, Unicode spaces, control characters). Only the lines with other characters are left
+    outside the ASCII parts."""
+    enc = load_tokenizer("cl100k", "tiktoken")._enc
+    rng = random.Random(7)
+    others = [t for t in adversarial_texts(20_000, seed=4) if not t.isascii()]
+    lines = [line for t in ascii_texts(2_000, seed=5) + others[:2_000]
+             for line in t.splitlines(keepends=True)]
+    ends = ("\n", "\r\n", "\n\n", "\n  \n", " \n", "\n\t", "\n\x1c", "\n\xa0", "\u2028\n", "")
+    mixes = ["".join(rng.choice(lines) + rng.choice(ends) for _ in range(rng.randrange(1, 40)))
+             for _ in range(20_000)]
+    fixed = ["abc\né\nxyz", "a\n   é", "a\n\x1cé\nq", "é\n   ", "x\n\n  é\n\n  y", "é\r\ny\n",
+             "a\n\xa0é\nz\n \t\nw", "\n\n\n"]
+    cuts = 0
+    for text in fixed + others + mixes:
+        runs = ascii_runs(text)
+        assert "".join(part for _, part in runs) == text
+        assert all(part and part.isascii() == ascii for ascii, part in runs), text
+        if len(runs) > 1:
+            cuts += len(runs) - 1
+            got = [i for _, part in runs for i in enc.encode_ordinary(part)]
+            assert got == enc.encode_ordinary(text), (text, runs)
+    assert cuts > 50_000
+    # Whitespace up to the text's end, or another line end after it, is no cut.
+    assert ascii_runs("é\n   ") == [(False, "é\n   ")]
+    assert ascii_runs("é\n \nb") == [(False, "é\n \n"), (True, "b")]
+    # One line outside ASCII among many: only that line (its line end with it) is not ASCII.
+    code = "def f(x):\n    return x\n\n" * 50
+    runs = ascii_runs(code + "    s = 'café'\n" + code)
+    assert [(a, len(p)) for a, p in runs] == [(True, len(code)), (False, 15), (True, len(code))]
 
 
 def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
