@@ -167,8 +167,6 @@ def load_joined_encoder(backend: str, reference) -> Callable[[str, frozenset], o
     backend has none."""
     if backend == "riptoken":
         return _GuardedRiptoken(reference._enc).encode
-    if backend == "toktok":
-        return _ascii_toktok(PROVEN["toktok"][reference.name], reference).encode
     return None
 
 
@@ -178,6 +176,8 @@ def load_docs_encoder(backend: str, reference
     documents in one call; None where the backend has none."""
     if backend == "tuetoken":
         return _guarded_tuetoken(reference).encode_docs
+    if backend == "toktok":
+        return _ascii_toktok(PROVEN["toktok"][reference.name], reference).encode_docs
     return None
 
 
@@ -307,12 +307,12 @@ def _ascii_toktok(encoding: str, reference) -> _AsciiToktok:
 class _AsciiToktok:
     """toktok on ASCII texts, where its ids are proven; in other texts, toktok on their ASCII
     stretches and rs_bpe (where it is installed, else tiktoken) on the lines with other
-    characters (``ascii_runs``). Both calls give int32 arrays (toktok's uint32 ids, viewed)."""
+    characters (``ascii_runs``). Its calls give int32 arrays (toktok's uint32 ids, viewed)."""
 
     def __init__(self, encoding: str, reference):
         self._fast = toktok_tokenizer(encoding)
+        self._reference = reference
         self._tiktoken = reference._enc._core_bpe
-        self._eos = np.array([reference.eos_id], dtype=np.int32)
         try:
             self._other = load_encoder("rs_bpe", encoding)
         except ImportError:
@@ -339,28 +339,22 @@ class _AsciiToktok:
         ids = self._other(text)
         return int32_ids(ids, len(ids))
 
-    def encode(self, text: str, allowed: frozenset) -> np.ndarray:
-        """``text`` with ``allowed`` special tokens, as int32 ids: runs of ASCII documents (the
-        parts between two allowed end-of-document tokens) on toktok, the others one by one
-        (``encode_ordinary``)."""
-        if text.isascii():
-            return self._toktok(text, allowed)
-        if len(allowed) != 1:
-            return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, allowed),
-                                 dtype=np.int32)
-        (sep,) = allowed  # the end-of-document token that joins a call's documents
-        out = []
-        for ascii_run, segment in _runs(text, sep, str.isascii):
-            if ascii_run:
-                out.append(self._toktok(segment, allowed))
-            else:
-                parts = segment.split(sep)
-                for i, part in enumerate(parts):
-                    if part:
-                        out.append(self._ordinary_other(part))
-                    if i < len(parts) - 1:
-                        out.append(self._eos)
-        return np.concatenate(out)
+    def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``Tokenizer.encode_docs`` of a call's documents: each run of ASCII documents in one
+        toktok call, joined by the end-of-document token (``TiktokenTokenizer.encode_joined``,
+        which falls back where a document holds that token's string), the others one by one
+        (``encode_ordinary``). No text is joined to be split again."""
+        tokens, ends, at = [], [], 0
+        for ascii, run in itertools.groupby(texts, str.isascii):
+            run = list(run)
+            out = self._reference.encode_joined(self._toktok, run) if ascii else None
+            if out is None:
+                out = lists_with_eos([self.encode_ordinary(t) for t in run],
+                                     self._reference.eos_id)
+            tokens.append(out[0])
+            ends.append(out[1] + at)
+            at += len(out[0])
+        return np.concatenate(tokens), np.concatenate(ends)
 
     def _toktok(self, text: str, allowed: frozenset) -> np.ndarray:
         return self._fast.encode_to_numpy(text, allowed_special=allowed,

@@ -269,11 +269,12 @@ def test_toktok_gives_tiktoken_ids_on_ascii_and_hands_other_texts_on(vocab):
     rare = others[:1000 - len(wrong)] + wrong
     mixed = [x for pair in zip(texts[:1000], rare, strict=True) for x in pair]
     mixed += ["a<|endoftext|>b", "é<|endoftext|>", "", "<|endoftext|>"]
-    fast = FastBPETokenizer(reference, "toktok", toktok.encode_ordinary, toktok.encode)
+    fast = FastBPETokenizer(reference, "toktok", toktok.encode_ordinary,
+                            encode_docs=toktok.encode_docs)
     without_rs_bpe = _AsciiToktok(PROVEN["toktok"][vocab], reference)
     without_rs_bpe._other = None
     plain = FastBPETokenizer(reference, "toktok", without_rs_bpe.encode_ordinary,
-                             without_rs_bpe.encode)
+                             encode_docs=without_rs_bpe.encode_docs)
     for tok in (fast, plain):
         for k in (1, 5, 200):  # joined calls of k documents
             for i in range(0, len(mixed), k):
