@@ -189,6 +189,24 @@ _PROFILE_PARTS = (
 )
 
 
+def produce_split(stats: dict) -> tuple[float, dict[str, float]]:
+    """``ChunkStream.produce``'s seconds in a ``pstats.Stats(...).stats`` dict, and its seconds
+    by ``_PROFILE_PARTS`` label, "other" the rest. A part's function called from another of the
+    same label (a backend's ``encode_docs`` inside ``FastBPETokenizer.encode_docs``) counts
+    once: only the time through callers of other labels is added."""
+    label_of = {key: label for key in stats for label, suffix, name in _PROFILE_PARTS
+                if key[2] == name and key[0].endswith(suffix)}
+    total = sum(v[3] for (path, _, func), v in stats.items()
+                if func == "produce" and path.endswith("ingest/chunk.py"))
+    parts: dict[str, float] = {}
+    for key, label in label_of.items():
+        callers = stats[key][4]  # {caller: (cc, nc, tottime, cumtime)}
+        parts[label] = parts.get(label, 0.0) + sum(
+            v[3] for caller, v in callers.items() if label_of.get(caller) != label)
+    parts["other"] = max(0.0, total - sum(parts.values()))
+    return total, parts
+
+
 def _rows_per_stream(spec: BenchSpec) -> int | None:
     """Each stream's rows in ``spec.steps`` steps; None (to the end) without steps."""
     return spec.steps * (spec.global_batch_size // spec.num_streams) if spec.steps else None
@@ -235,15 +253,7 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
     prof.disable()
     seconds, tokens, rows = _produce_all(spec, cap)
     stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tottime, cumtime, callers)}
-    parts: dict[str, float] = {}
-    total = 0.0
-    for (path, _, func), (_, _, _, cum, _) in stats.items():
-        if func == "produce" and path.endswith("ingest/chunk.py"):  # ChunkStream.produce
-            total += cum
-        for label, suffix, name in _PROFILE_PARTS:
-            if func == name and path.endswith(suffix):
-                parts[label] = parts.get(label, 0.0) + cum
-    parts["other"] = max(0.0, total - sum(parts.values()))
+    total, parts = produce_split(stats)
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
     return {"seconds": round(seconds, 4), "tokens": tokens, "rows": rows,
             "tokens_per_s": tokens / seconds,

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
 from benchmarks.bench import SECTIONS  # noqa: E402
+from benchmarks.limit import produce_split  # noqa: E402
 from benchmarks.peers import pack_rows  # noqa: E402
 
 # `--quick` takes about a minute on a quiet 2-CPU machine; the deadline allows for a shared one.
@@ -470,3 +471,37 @@ def test_worker_sweep_sizes_each_point_by_its_workers_and_records_each_worker(tm
         bound = [d["bound_to_cpu"] for d in run["workers_detail"] if d["bound_to_cpu"] is not None]
         assert len(set(bound)) == len(bound)
     assert "produce on W cores" in proc.stderr
+
+
+def test_the_produce_split_counts_a_tokenizer_call_inside_another_once(tmp_path):
+    """``ingest bench``'s split of ``produce``'s time on cl100k, whose backend's
+    ``encode_docs`` runs inside ``FastBPETokenizer.encode_docs``: the tokenizer's share is
+    within ``produce``'s time and the parts add up to it."""
+    import cProfile
+    import pstats
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from helpers import make_texts
+
+    from ingest import Config, SourceConfig
+    from ingest.plan import build_plan
+    from ingest.stream import Stream
+    from ingest.tokenize import load_tokenizer
+
+    texts = [t + ("\ncafé\n" if i % 3 == 0 else "") + t for i, t in
+             enumerate(make_texts(400, seed=9, max_words=200))]
+    pq.write_table(pa.table({"text": texts}), str(tmp_path / "a.parquet"), row_group_size=50)
+    cfg = Config(sources=(SourceConfig(paths=(str(tmp_path / "a.parquet"),)),),
+                 tokenizer="cl100k", seq_len=128, global_batch_size=8, num_streams=2)
+    assert load_tokenizer("cl100k", cfg.tokenizer_backend).backend == "toktok"
+    stream = Stream(cfg, build_plan(cfg), 0)
+    prof = cProfile.Profile()
+    prof.enable()
+    while not stream.produce(64).exhausted:
+        pass
+    prof.disable()
+    total, parts = produce_split(pstats.Stats(prof).stats)
+    assert total > 0 and 0 < parts["tokenize"] < total, (total, parts)
+    assert sum(parts.values()) == pytest.approx(total), parts
+
