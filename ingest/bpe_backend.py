@@ -74,8 +74,8 @@ log = logging.getLogger("ingest.tokenize")
 # long-piece check included: the demo corpus tiktoken 3.2 M tokens/s, riptoken 4.5 M (1.38x);
 # tiny documents 3.0 M and 4.2 M (1.42x).
 # toktok (the lines with other characters on rs_bpe) on the demo corpus through the feed's
-# call, on the benchmark's machine: 27.2 - 28.3 M tokens/s against tiktoken's 2.6 - 3.1 M
-# (9.1 - 10.7x).
+# call, on the benchmark's machine: 34.1 - 37.4 M tokens/s against tiktoken's 2.8 - 3.1 M
+# (11.1 - 13.3x).
 # tuetoken on GPT-2 through the feed's call there: the demo 18.8 M against 7.3 M (2.6x), tiny
 # documents 11.2 M against 6.8 M (1.6x).
 FASTEST_FIRST = ("toktok", "tuetoken", "rs_bpe", "bpe_openai", "riptoken")
