@@ -287,7 +287,7 @@ def test_toktok_gives_tiktoken_ids_on_ascii_and_hands_other_texts_on(vocab):
 
 def test_a_document_with_other_characters_is_cut_only_where_cl100k_pieces_end():
     """``ascii_runs`` cuts a text outside ASCII at line ends: tiktoken's cl100k ids of the
-    parts, back to back, are the text's, on 20,000 generated texts outside ASCII and 20,000
+    parts, back to back, are the text's, on 15,000 generated texts outside ASCII and 20,000
     mixes of their lines with ASCII ones (line ends of every kind, whitespace before and after
     them, Unicode spaces, control characters). Only the lines with other characters are left
     outside the ASCII parts, and a text mostly outside ASCII is not cut."""
