@@ -209,6 +209,9 @@ def _runs(text: str, sep: str, key: Callable[[str], bool]) -> Iterator[tuple[boo
 # \s (and \x1c - \x1f besides), so a cut found here is one there.
 _LINE_END = re.compile(r"\n(?=[^\S\r\n]*\S)")
 _LINE_START = re.compile(r"[^\S\r\n]*\S")
+# The fewest characters of an ASCII stretch between two lines outside ASCII that go to toktok
+# on their own: a shorter one stays in the part around it (a call costs about a microsecond).
+_MIN_ASCII_PART = 256
 
 
 def _cut_before(text: str, lo: int, i: int) -> int:
@@ -220,41 +223,54 @@ def _cut_before(text: str, lo: int, i: int) -> int:
     return lo
 
 
-def _outside_ascii(text: str) -> np.ndarray:
-    """The indices of ``text``'s characters outside ASCII, ascending: one code point per
-    4-byte unit, compared in C (a regex search for them took twice as long)."""
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    return np.flatnonzero(codes > 0x7F)
+def _cut_after(text: str, i: int) -> int:
+    """The first cut (``ascii_runs``) at ``i`` or after it, else the text's end."""
+    if 0 < i < len(text) and text[i - 1] == "\n" and _LINE_START.match(text, i):
+        return i
+    end = _LINE_END.search(text, i)
+    return len(text) if end is None else end.end()
 
 
 def ascii_runs(text: str) -> list[tuple[bool, str]]:
     """``text`` cut at line ends where every cl100k piece ends, as ``(ascii, part)`` in order,
-    no two neighbours alike: the lines that hold a character outside ASCII (with any lines
-    between two such that no cut separates), and the ASCII stretches between them. The parts'
-    ids, back to back, are the text's. A text with more than one character in eight outside
-    ASCII is one part (its lines would be cut one by one for little gain)."""
-    others = _outside_ascii(text)
-    if len(others) * 8 > len(text):
+    no two neighbours alike: the lines that hold a character outside ASCII, with the ASCII
+    stretches of fewer than ``_MIN_ASCII_PART`` characters between them, and the ASCII
+    stretches between those. The parts' ids, back to back, are the text's. A text with more
+    than one character in eight outside ASCII, or whose ASCII stretches would hold at most half
+    of it, is one part. The lines are found in numpy passes over the code points; Python takes
+    a step per part."""
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    others = np.flatnonzero(codes > 0x7F)
+    if not len(others):
+        return [(True, text)] if text else []
+    # The ASCII between neighbours outside ASCII, where enough to go on its own: an upper
+    # bound on what the parts below would send to toktok (the lines around are cut off).
+    gaps = np.diff(others)
+    room = int(others[0]) + len(text) - int(others[-1]) + int(gaps[gaps > _MIN_ASCII_PART].sum())
+    if len(others) * 8 > len(text) or 2 * room <= len(text):
         return [(False, text)]
+    # Line j is [bounds[j], bounds[j + 1]); the lines holding a character outside ASCII, and
+    # those of them after an ASCII stretch long enough to go on its own.
+    bounds = np.concatenate(([0], np.flatnonzero(codes == 0x0A) + 1, [len(text)]))
+    lines = np.unique(np.searchsorted(bounds, others, side="right")) - 1
+    starts, ends = bounds[lines], bounds[lines + 1]
+    new = np.flatnonzero(starts[1:] - ends[:-1] >= _MIN_ASCII_PART) + 1
+    firsts, lasts = starts[np.r_[0, new]], ends[np.r_[new - 1, len(lines) - 1]]
+    if 2 * int((lasts - firsts).sum()) > len(text):
+        return [(False, text)]  # at most half of it would go to toktok: not worth the cuts
     out: list[tuple[bool, str]] = []
-    start = k = 0  # start: where the text not yet cut begins (a cut)
-    held = None  # where the part outside ASCII not yet in out begins
-    while k < len(others):
-        a = _cut_before(text, start, int(others[k]))
-        if a > start:
-            if held is not None:
-                out.append((False, text[held:start]))
-            out.append((True, text[start:a]))
-            held = a
-        elif held is None:
-            held = a
-        end = _LINE_END.search(text, int(others[k]) + 1)
-        start = len(text) if end is None else end.end()
-        k = int(np.searchsorted(others, start))
-    if held is not None:
-        out.append((False, text[held:start]))
-    if start < len(text):
-        out.append((True, text[start:]))
+    done = 0  # where the text not yet in out begins
+    for a, b in zip(firsts.tolist(), lasts.tolist(), strict=True):
+        a, b = _cut_before(text, done, max(a, done)), _cut_after(text, max(b, done))
+        if a > done:
+            out.append((True, text[done:a]))
+        if out and not out[-1][0]:  # no cut between it and the last part: one part
+            out[-1] = (False, out[-1][1] + text[done:b])
+        else:
+            out.append((False, text[a:b]))
+        done = b
+    if done < len(text):
+        out.append((True, text[done:]))
     return out
 
 

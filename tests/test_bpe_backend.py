@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import make_texts
 
-from ingest import BatchDigest, Config, SourceConfig
+from ingest import BatchDigest, Config, SourceConfig, bpe_backend
 from ingest.bpe_backend import (
     FASTEST_FIRST,
     LONG_PIECE_BYTES,
@@ -285,32 +285,36 @@ def test_toktok_gives_tiktoken_ids_on_ascii_and_hands_other_texts_on(vocab):
             assert got.dtype == np.int32 and np.array_equal(got, want)
 
 
-def test_a_document_with_other_characters_is_cut_only_where_cl100k_pieces_end():
+def test_a_document_with_other_characters_is_cut_only_where_cl100k_pieces_end(monkeypatch):
     """``ascii_runs`` cuts a text outside ASCII at line ends: tiktoken's cl100k ids of the
     parts, back to back, are the text's, on 15,000 generated texts outside ASCII and 20,000
-    mixes of their lines with ASCII ones (line ends of every kind, whitespace before and after
-    them, Unicode spaces, control characters). Only the lines with other characters are left
-    outside the ASCII parts, and a text mostly outside ASCII is not cut."""
+    mixes of their lines with ASCII ones, as cut and with every ASCII stretch cut off (line
+    ends of every kind, whitespace before and after them, Unicode spaces, control
+    characters). Only the lines with other characters are left outside the ASCII parts, and
+    a text mostly outside ASCII is not cut."""
     enc = load_tokenizer("cl100k", "tiktoken")._enc
     rng = random.Random(7)
     others = [t for t in adversarial_texts(20_000, seed=4) if not t.isascii()]
-    lines = [line for t in ascii_texts(2_000, seed=5) + others[:2_000]
-             for line in t.splitlines(keepends=True)]
+    plain = [line for t in ascii_texts(2_000, seed=5) for line in t.splitlines(keepends=True)]
+    other = [line for t in others[:2_000] for line in t.splitlines(keepends=True)]
     ends = ("\n", "\r\n", "\n\n", "\n  \n", " \n", "\n\t", "\n\x1c", "\n\xa0", "\u2028\n", "")
-    mixes = ["".join(rng.choice(lines) + rng.choice(ends) for _ in range(rng.randrange(1, 40)))
-             for _ in range(20_000)]
+    mixes = ["".join(rng.choice(plain if rng.random() < 0.9 else other) + rng.choice(ends)
+                     for _ in range(rng.randrange(1, 80))) for _ in range(20_000)]
     fixed = ["abc\né\nxyz", "a\n   é", "a\n\x1cé\nq", "é\n   ", "x\n\n  é\n\n  y", "é\r\ny\n",
              "a\n\xa0é\nz\n \t\nw", "\n\n\n"]
     cuts = 0
-    for text in fixed + others + mixes:
-        runs = ascii_runs(text)
-        assert "".join(part for _, part in runs) == text
-        assert all(part and part.isascii() == ascii for ascii, part in runs), text
-        if len(runs) > 1:
-            cuts += len(runs) - 1
-            got = [i for _, part in runs for i in enc.encode_ordinary(part)]
-            assert got == enc.encode_ordinary(text), (text, runs)
-    assert cuts > 15_000
+    for least in (bpe_backend._MIN_ASCII_PART, 1):  # 1: every ASCII stretch on its own
+        monkeypatch.setattr(bpe_backend, "_MIN_ASCII_PART", least)
+        for text in fixed + others + mixes:
+            runs = ascii_runs(text)
+            assert "".join(part for _, part in runs) == text
+            assert all(part and part.isascii() == ascii for ascii, part in runs), text
+            if len(runs) > 1:
+                cuts += len(runs) - 1
+                got = [i for _, part in runs for i in enc.encode_ordinary(part)]
+                assert got == enc.encode_ordinary(text), (text, runs)
+    monkeypatch.undo()
+    assert cuts > 30_000
     # Whitespace up to the text's end, or another line end after it, is no cut.
     assert ascii_runs("é\n   ") == [(False, "é\n   ")]
     assert ascii_runs("é\n \nbcdefghij") == [(False, "é\n \n"), (True, "bcdefghij")]
