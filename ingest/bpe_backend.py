@@ -21,7 +21,7 @@ characters (2 of 20,000 adversarial texts: one splits a text into pieces another
 merges a piece with a supplementary-plane character another way) and equal them on every ASCII
 text tried, so it encodes ASCII texts only (``str.isascii``, which CPython answers without a
 scan). A document with other characters is cut at line ends where every cl100k piece ends
-(``ascii_runs``): its ASCII stretches go to toktok, the lines holding other characters to
+(``ascii_runs``): its long ASCII stretches go to toktok, the lines holding other characters to
 rs_bpe where it is installed, else to tiktoken (``_AsciiToktok``). tuetoken runs a
 ``tokenizer.json`` made from the tiktoken encoding's ranks, and sends texts with characters its
 older Unicode tables class otherwise to tiktoken (``ingest.bpe_tuetoken``). riptoken is built
