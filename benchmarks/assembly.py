@@ -78,7 +78,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
 
     from ingest.config import Config
     from ingest.plan import build_plan
-    from ingest.shift import FIELDS, batch_groups
+    from ingest.shift import FIELDS, RowPieces, batch_groups
     from ingest.stream import Stream
     from jax_side.feed import HostFeed
     from jax_side.host_buffers import aligned_empty
@@ -124,19 +124,20 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     for _ in range(steps):
         t0 = time.perf_counter()
         local = aligned_empty(local_shape)
-        groups = batch_groups(local)
-        for j, s in enumerate(rows.streams):
+        pieces = RowPieces(cfg.seq_len)
+        for s in rows.streams:
             ci, taken = pos[s]
             filled = 0
             while filled < k:
                 c = chunks[s][ci]
                 n = min(k - filled, c.num_rows - taken)
-                c.copy_rows(groups, j * k + filled, taken, n)
+                pieces.add(c.tokens, c.layout, taken, n)
                 filled += n
                 taken += n
                 if taken == c.num_rows:
                     ci, taken = ci + 1, 0
             pos[s] = (ci, taken)
+        pieces.copy_into(batch_groups(local))
         t1 = time.perf_counter()
         make_s, np_s = _arrays_then_copy(local, sharding, cfg.global_batch_size)
         copy_t.append(t1 - t0)
@@ -165,7 +166,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     import jax
 
     from ingest.chunk import Chunk
-    from ingest.shift import FIELDS, batch_groups, new_rows
+    from ingest.shift import FIELDS, RowPieces, batch_groups, new_rows
     from jax_side.host_buffers import aligned_empty
     from jax_side.sharding import batch_sharding
 
@@ -186,10 +187,11 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
         for step in range(steps):
             t0 = time.perf_counter()
             local = aligned_empty(shape)
-            groups = batch_groups(local)
+            pieces = RowPieces(seq_len)
             r0 = (step * k) % (SWEEP_CHUNK_ROWS - k + 1)
-            for j, c in enumerate(chunks):
-                c.copy_rows(groups, j * k, r0, k)
+            for c in chunks:
+                pieces.add(c.tokens, c.layout, r0, k)
+            pieces.copy_into(batch_groups(local))
             t1 = time.perf_counter()
             make_s, np_s = _arrays_then_copy(local, sharding, batch)
             asm_t.append(t1 - t0 + make_s)

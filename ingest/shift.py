@@ -23,9 +23,9 @@ import functools
 
 import numpy as np
 
-__all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "batch_groups",
-           "chunk_token_bytes", "concat_fields", "copy_rows", "fields_of", "layout_dtype",
-           "new_rows", "shift_rows"]
+__all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "RowPieces",
+           "batch_groups", "chunk_token_bytes", "concat_fields", "copy_rows", "fields_of",
+           "layout_dtype", "new_rows", "shift_rows"]
 
 # Sorted by name: the digest and the chunk layout both use this order.
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation",
@@ -78,6 +78,50 @@ def copy_rows(groups: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: np.ndar
     tok[:, at:at + n] = tokens[:, start:start + n]
     pos[:, at:at + n] = layout[:1, start:start + n]  # inputs_position, also targets_position
     seg[:, at:at + n] = layout[1:, start:start + n]  # inputs' and targets' segment ids
+
+
+class RowPieces:
+    """Row ranges of chunks, in a batch's order, copied into it at once.
+
+    ``add`` notes rows ``[start, start + n)`` of a chunk's ``tokens`` and ``layout``,
+    ``add_padding`` all-zero rows; ``copy_into`` writes them back to back into the rows of a
+    batch's ``batch_groups``: one copy per group, however many pieces, against three per
+    piece for ``copy_rows``. A step of 16 streams is then 4 numpy calls instead of 48, and
+    the assembling thread lets the interpreter's lock go (numpy drops it inside a copy) 4
+    times instead of 48, each a chance for another thread to take it and make this one
+    wait for it back.
+    """
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self.rows = 0
+        self._tokens: list[np.ndarray] = []
+        self._positions: list[np.ndarray] = []
+        self._segments: list[np.ndarray] = []
+
+    def add(self, tokens: np.ndarray, layout: np.ndarray, start: int, n: int) -> None:
+        """Rows ``[start, start + n)`` of a chunk's ``tokens`` and ``layout``."""
+        stop = start + n
+        self._tokens.append(tokens[:, start:stop])
+        self._positions.append(layout[:1, start:stop])
+        self._segments.append(layout[1:, start:stop])
+        self.rows += n
+
+    def add_padding(self, n: int) -> None:
+        """``n`` all-zero rows (a stream that ended)."""
+        tokens, layout = new_rows(n, self.seq_len, zeros=True)
+        self.add(tokens, layout, 0, n)
+
+    def copy_into(self, groups: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Writes the pieces into rows ``[0, self.rows)`` of ``groups`` (``batch_groups``),
+        positions and segment ids widened to int32."""
+        if not self.rows:
+            return
+        tok, pos, seg = (g[:, :self.rows] for g in groups)
+        np.concatenate(self._tokens, axis=1, out=tok)
+        np.concatenate(self._positions, axis=1, out=pos[:1])
+        pos[1] = pos[0]  # targets_position is inputs_position
+        np.concatenate(self._segments, axis=1, out=seg)
 
 
 def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ingest.shift import FIELDS, batch_groups
+from ingest.shift import FIELDS, RowPieces, batch_groups
 from jax_side.chunk_intake import ChunkIntake
 from jax_side.host_buffers import aligned_empty
 from jax_side.private_api import put_arrays
@@ -89,15 +89,15 @@ class AssembledStep:
 def fill_local_batch(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int) -> LocalBatch:
     """Takes ``k`` rows of each of ``rows.streams`` from ``intake`` into a new local batch."""
     local = aligned_empty((len(FIELDS), rows.stop - rows.start, seq_len))
-    groups = batch_groups(local)
-    got = padding_rows = 0
-    for j, s in enumerate(rows.streams):
-        n = intake.take(s, groups, j * k, k)
+    pieces = RowPieces(seq_len)
+    got = 0
+    for s in rows.streams:
+        n = intake.take(s, pieces, k)
         if n < k:
-            local[:, j * k + n:(j + 1) * k] = 0  # the stream ended: padding rows
+            pieces.add_padding(k - n)  # the stream ended: padding rows
         got += n
-        padding_rows += k - n
-    return LocalBatch(local, got, padding_rows)
+    pieces.copy_into(batch_groups(local))
+    return LocalBatch(local, got, pieces.rows - got)
 
 
 def assembled_step(local: LocalBatch, sharding: NamedSharding, global_batch_size: int,

@@ -19,7 +19,7 @@ import numpy as np
 
 from ingest.config import Config
 from ingest.plan import UnitPlan
-from ingest.shift import FIELDS, batch_groups
+from ingest.shift import FIELDS, RowPieces, batch_groups
 from ingest.stream import Chunk
 from jax_side.feed_stats import PoolStats
 from jax_side.local_source import LocalSource
@@ -178,9 +178,8 @@ class ChunkIntake:
         """Rows of each stream's current chunk not taken yet."""
         return [c.rows - c.taken for c in self.cursors.values()]
 
-    def take(self, s: int, out: tuple[np.ndarray, ...], row0: int, k: int) -> int:
-        """Copies up to k rows of stream s into rows ``row0...`` of ``out`` (a batch's
-        ``batch_groups``, ``Chunk.copy_rows``); returns rows copied."""
+    def take(self, s: int, pieces: RowPieces, k: int) -> int:
+        """Adds up to k rows of stream s to ``pieces``; returns rows added."""
         c = self.cursors[s]
         filled = 0
         while filled < k:
@@ -192,7 +191,7 @@ class ChunkIntake:
                 c.start(self.source.next_chunk(s))
                 continue
             n = min(k - filled, c.rows - c.taken)
-            c.chunk.copy_rows(out, row0 + filled, c.taken, n)
+            pieces.add(c.chunk.tokens, c.chunk.layout, c.taken, n)
             c.taken += n
             filled += n
         return filled
@@ -206,7 +205,9 @@ class ChunkIntake:
         seg = FIELDS.index("inputs_segmentation")
         for s in self.streams:
             while True:
-                got = self.take(s, groups, 0, n)
+                pieces = RowPieces(self.config.seq_len)
+                got = self.take(s, pieces, n)
+                pieces.copy_into(groups)
                 yield got, int(np.count_nonzero(scratch[seg, :got]))
                 if got < n:
                     break

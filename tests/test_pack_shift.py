@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.shift import FIELDS, batch_groups, copy_rows, fields_of, layout_dtype
+from ingest.shift import FIELDS, RowPieces, batch_groups, copy_rows, fields_of, layout_dtype
 from ingest.shift import concat_fields as _concat_fields
 from ingest.shift import shift_rows as _shift_rows
 
@@ -335,3 +335,31 @@ def test_copy_rows_puts_each_field_of_a_chunks_rows_in_place_and_touches_no_othe
     assert (out[:, :4] == -1).all()
     with pytest.raises(ValueError, match="C-contiguous"):
         batch_groups(out[:, ::2])  # its groups would be copies: the rows would be lost
+
+
+@pytest.mark.parametrize("layout_type", [np.uint16, np.int32])
+def test_row_pieces_write_what_copy_rows_writes_piece_by_piece_with_zero_padding(layout_type):
+    rng = np.random.default_rng(1)
+    L = 8
+    chunks = [(rng.integers(0, 50_000, (2, rows, L), dtype=np.int32),
+               rng.integers(0, 60_000, (3, rows, L)).astype(layout_type)) for rows in (5, 3, 6)]
+    # (chunk, start, rows) in batch order; None: padding rows.
+    pieces_asked = [(0, 1, 2), (1, 2, 1), (None, None, 2), (2, 0, 6), (0, 4, 1)]
+    total = sum(n for _, _, n in pieces_asked)
+    want = np.zeros((len(FIELDS), total + 2, L), np.int32)
+    want[:, total:] = -1
+    got = np.full_like(want, -1)
+    pieces = RowPieces(L)
+    at = 0
+    for c, start, n in pieces_asked:
+        if c is None:
+            pieces.add_padding(n)
+        else:
+            copy_rows(batch_groups(want), *chunks[c], at, start, n)
+            pieces.add(*chunks[c], start, n)
+        at += n
+    assert pieces.rows == total
+    pieces.copy_into(batch_groups(got))
+    np.testing.assert_array_equal(got, want)  # the rows past the pieces stay untouched
+    RowPieces(L).copy_into(batch_groups(got))  # no pieces: nothing to write
+    np.testing.assert_array_equal(got, want)
