@@ -125,6 +125,9 @@ class ChunkIntake:
         if self.backend == "local":
             src = LocalSource(self.config, self.plan, ids)
         else:
+            from jax_side.ray_cluster import import_ray  # noqa: PLC0415
+
+            import_ray()  # a Ray that does not import fails here, saying so
             from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)
 
             def make_pool(workers: int) -> WorkerPool:

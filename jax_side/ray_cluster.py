@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Iterator
 
 __all__ = ["ClusterUnreachableError", "Interrupted", "RayStarter", "exit_on_signals",
-           "start_ray"]
+           "import_ray", "start_ray"]
 
 log = logging.getLogger("ingest")
 
@@ -335,6 +335,23 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
             f"{e.strerror or e}; {_FIX}") from e
 
 
+def import_ray():
+    """The ``ray`` module.
+
+    Raises:
+      RuntimeError: Ray does not import in this Python (a wheel built for another Python or
+        platform, say), naming the interpreter and the fix, from the import's own error.
+    """
+    try:
+        import ray  # noqa: PLC0415
+    except Exception as e:
+        raise RuntimeError(
+            f"Ray does not import in this Python ({sys.executable}): {type(e).__name__}: {e}. "
+            f"Reinstall it for this interpreter (pip install --force-reinstall ray), or run "
+            f"without Ray: --backend local") from e
+    return ray
+
+
 class RayStarter:
     """Starts (or joins) Ray on a background thread.
 
@@ -362,7 +379,12 @@ class RayStarter:
         # JAX's fork warning does not apply.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                                 category=RuntimeWarning)
-        import ray
+        try:
+            ray = import_ray()
+        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
+            self._error = e
+            self._up.set()
+            return
 
         with self._decided:
             if self._starting is None:

@@ -95,9 +95,8 @@ def run_command(args) -> int:
         feed.close()
         if ray_started is not None:
             ray_started.join()  # a run may end before Ray is up
-        if args.backend == "ray":
-            import ray
-
+        ray = sys.modules.get("ray")  # None where Ray did not import
+        if args.backend == "ray" and ray is not None:
             # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
             # first, so that with --json the summary really is the last line.
             ray.shutdown()

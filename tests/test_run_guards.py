@@ -1,8 +1,9 @@
 """``ingest run`` refusing what would go wrong silently: a run that delivers nothing, two runs
-on one checkpoint directory, a stray step folder, an edited checkpoint on ``--resume``.
+on one checkpoint directory, a stray step folder, an edited checkpoint on ``--resume``, a Ray
+that does not import.
 
-Every run is a real ``ingest run`` subprocess on the local backend (no Ray), over a small
-Parquet corpus, with a deadline.
+Every run is a real ``ingest run`` subprocess over a small Parquet corpus, with a deadline, on
+the local backend (no Ray) except where Ray is the point.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ on_bad_document: skip
 """
 
 
-def ingest(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+def ingest(*args: str, cwd: Path, backend: str = "local",
+           path: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    """``ingest run ARGS`` in ``cwd``; ``path``: folders put before the project on the
+    subprocess's PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (*path, ROOT))),
+               JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "jax_side.run", "run", *args, "--backend", "local",
+    cmd = [sys.executable, "-m", "jax_side.run", "run", *args, "--backend", backend,
            "--no-progress"]
     try:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
@@ -97,6 +101,24 @@ def test_allow_empty_accepts_a_run_that_delivers_nothing(null_job):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "delivered no batch" in proc.stderr and "allowed by --allow-empty" in proc.stderr
     assert sum(last_json(proc)["skipped_documents"]["null_text"].values()) == 12
+
+
+# -- a Ray that does not import --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_a_ray_that_does_not_import_fails_the_run_naming_the_fix(job, tmp_path, warm_start):
+    # A Ray wheel built for another Python fails in its own __init__, loading its library.
+    broken = tmp_path / "broken-site" / "ray"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        'raise OSError("_raylet.so: undefined symbol: PyUnstable_Code_NewWithPosOnlyArgs")\n')
+    args = ("config.yaml",) if warm_start else ("config.yaml", "--no-warm-start")
+    proc = ingest(*args, cwd=job, backend="ray", path=(broken.parent,))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"Ray does not import in this Python ({sys.executable}): OSError: _raylet.so: "
+            f"undefined symbol" in proc.stderr), proc.stderr[-3000:]
+    assert "--backend local" in proc.stderr
 
 
 # -- one run per checkpoint directory --------------------------------------------------------
