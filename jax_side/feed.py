@@ -35,7 +35,14 @@ from jax.sharding import NamedSharding
 from ingest.config import Config, check_memory
 from ingest.plan import UnitPlan, build_plan
 from ingest.tokenize import load_tokenizer
-from jax_side.batch_assembly import AssembledStep, assembled_step, fill_local_batch
+from jax_side.batch_assembly import (
+    AssembledStep,
+    LocalBatch,
+    assembled_step,
+    fill_local_batch,
+    fill_round,
+    round_steps,
+)
 from jax_side.chunk_intake import ChunkIntake, LocalSource
 from jax_side.end_of_data import EndOfData
 from jax_side.feed_stats import FeedCounters, steady_window_start, stream_counters
@@ -97,14 +104,21 @@ class HostFeed(FeedCounters):
         self.config = config
         self.sharding = sharding
         self.backend = backend
-        # Before the row maps below, which are as large as the batch: each process's even share.
-        check_memory(config, streams=max(1, config.num_streams // jax.process_count()),
-                     host_batches=device_prefetch + 2)
+        # Before the row maps below, which are as large as the batch: each process's even share
+        # (batches assembled a round at a time: at most two rounds besides those prefetched).
+        streams = max(1, config.num_streams // jax.process_count())
+        most = max(config.batch_sizes()) * streams // config.num_streams
+        check_memory(config, streams=streams, host_batches=device_prefetch + 2 * round_steps(
+            most, config.seq_len, device_prefetch))
         self._rows = host_rows(sharding, config.global_batch_size, config.seq_len,
                                config.num_streams)
         # Every batch size of the ramp-up, each checked against the sharding; same streams.
         self._rows_by_size = host_rows_per_batch_size(sharding, config.batch_sizes(),
                                                       config.seq_len, config.num_streams)
+        # Steps assembled at once, by batch size (batch_assembly.round_steps).
+        self._round_by_size = {size: round_steps(r.stop - r.start, config.seq_len,
+                                                 device_prefetch)
+                               for size, r in self._rows_by_size.items()}
         # Several JAX processes and finite data: exhausted hosts pad until every host is, then
         # all stop after the same step (jax_side.end_of_data).
         self._agreement_timeout = agreement_timeout_s
@@ -175,9 +189,35 @@ class HostFeed(FeedCounters):
                             self._intake.rows_in_hand)
         return assembled_step(local, self.sharding, size, self._snapshot())
 
+    def _assemble_round(self) -> list[AssembledStep] | None:
+        """The next steps at once (``batch_assembly.fill_round``), where they have one batch
+        size and every stream's chunk holds their rows; else None, nothing taken."""
+        cfg = self.config
+        size = cfg.batch_size_at(self._step)
+        n = self._round_by_size[size]
+        if n < 2 or any(cfg.batch_size_at(self._step + i) != size for i in range(1, n)):
+            return None
+        rows = self._rows_by_size[size]
+        k = size // cfg.num_streams
+        batches = fill_round(self._intake, rows, k, cfg.seq_len, n)
+        if batches is None:
+            return None
+        steps = []
+        for local in batches:
+            self._intake.advance(rows.streams, k)
+            self._step += 1
+            self._end.assembled(self._step, local.shape[1], 0, self._intake.rows_in_hand)
+            steps.append(assembled_step(LocalBatch(local, local.shape[1], 0), self.sharding,
+                                        size, self._snapshot()))
+        return steps
+
     def _next_items(self) -> list[Any]:
-        """The producer thread's next items: a step, then ``END`` once the data ended."""
+        """The producer thread's next items: one or more steps, then ``END`` once the data
+        ended."""
         self._intake.open()
+        steps = self._assemble_round()
+        if steps:
+            return steps
         step = self._assemble()
         if step is None:
             return [END]

@@ -566,6 +566,50 @@ def test_get_state_ignores_batches_prefetched_ahead(config, plan, sharding_1d, r
     assert digest_of(rest) == digest_of(batches[step:])
 
 
+# Chunks of 12 rows: a round of 4 steps (8 rows of each stream), then 2 single steps, then
+# the next chunk; with the ramp-up, rounds only where 4 steps have one batch size.
+@pytest.mark.parametrize("rampup", [None, {7: 0.5}])
+def test_steps_assembled_in_rounds_are_the_single_steps_bit_for_bit_with_their_states(
+        corpus, sharding_1d, monkeypatch, rampup):
+    import jax_side.feed as feed_module
+    from jax_side import batch_assembly
+
+    config = make_config(corpus, chunk_rows=12, batch_rampup=rampup)
+    plan = build_plan(config)
+    rounds = []
+
+    def counted_fill_round(*args, **kwargs):
+        batches = batch_assembly.fill_round(*args, **kwargs)
+        rounds.append(batches is not None)
+        return batches
+
+    monkeypatch.setattr(feed_module, "fill_round", counted_fill_round)
+
+    def run(device_prefetch: int, state=None) -> tuple[list, list]:
+        feed = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan,
+                        device_prefetch=device_prefetch)
+        if state is not None:
+            feed.set_state(json.loads(json.dumps(state)))
+        states = [json.loads(json.dumps(feed.get_state()))]
+        with feed:
+            batches = drain(feed, after_each=lambda f: states.append(
+                json.loads(json.dumps(f.get_state()))))
+        return batches, states
+
+    single, single_states = run(device_prefetch=1)  # one step at a time
+    assert not any(rounds)
+    batches, states = run(device_prefetch=4)
+    assert sum(rounds) >= 2 and not all(rounds), rounds  # rounds and single steps both ran
+    assert len(batches) == len(single) >= 12
+    for step, (ours, theirs) in enumerate(zip(batches, single, strict=True)):
+        for name in FIELDS:
+            np.testing.assert_array_equal(ours[name], theirs[name], err_msg=f"{name}, {step}")
+    assert states == single_states
+    for step in (1, 3, 5):  # inside a round, at its end, after the single steps
+        rest, _ = run(device_prefetch=4, state=states[step])
+        assert digest_of(rest) == digest_of(single[step:]), f"restored at step {step}"
+
+
 @pytest.mark.ray
 @pytest.mark.multidevice
 def test_state_saved_on_local_backend_resumes_on_ray_workers(ray_cluster, config, plan,
