@@ -3,8 +3,9 @@
 Run as ``python -m benchmarks.assembly --spec SPEC.json``; prints one JSON object. Real chunks
 are produced first (by our streams, in this process; not timed), then replayed into:
 
-    hostfeed     HostFeed's own assembly (``_assemble``): copy k rows per stream into the
-                 local batch, count tokens, snapshot the state, and form the six global arrays
+    hostfeed     HostFeed's own assembly (``_next_items``, per step): copy k rows per stream
+                 into the local batch (up to 4 steps at once where the chunks hold their
+                 rows), count tokens, snapshot the state, and form the six global arrays
                  (one batched transfer in a single process, else six
                  jax.make_array_from_process_local_data calls)
     row_copy     only the row copies into a fresh local batch (64-byte aligned, as HostFeed's)
@@ -82,6 +83,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from ingest.stream import Stream
     from jax_side.feed import HostFeed
     from jax_side.host_buffers import aligned_empty
+    from jax_side.prefetch import END
     from jax_side.sharding import batch_sharding, host_rows
 
     cfg = Config.from_dict(spec.config)
@@ -94,7 +96,9 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     chunks: dict[int, list] = {}
     for s in rows.streams:
         stream = Stream(cfg, plan, s)
-        chunks[s] = [stream.produce(cfg.chunk_rows) for _ in range(-(-steps * k // cfg.chunk_rows))]
+        # One chunk more than the steps take: a last round may look one chunk ahead.
+        chunks[s] = [stream.produce(cfg.chunk_rows)
+                     for _ in range(-(-steps * k // cfg.chunk_rows) + 1)]
         if sum(c.num_rows for c in chunks[s]) < steps * k:
             raise ValueError(f"stream {s} has fewer than {steps * k} rows; the corpus is too small "
                              f"for {steps} assembly steps: use a larger corpus or fewer streams")
@@ -107,11 +111,14 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
         feed = HostFeed(cfg, sharding=sharding, backend="local", plan=plan)
         feed._intake.source = _ReplaySource(chunks)
         times = []
-        for _ in range(steps):
+        while len(times) < steps:
+            # One or more steps: several at once where the chunks hold their rows.
             t0 = time.perf_counter()
-            step = feed._assemble()
-            jax.block_until_ready(step.arrays())
-            times.append(time.perf_counter() - t0)
+            made = [item for item in feed._next_items() if item is not END]
+            if not made:
+                break
+            jax.block_until_ready([step.arrays() for step in made])
+            times += [(time.perf_counter() - t0) / len(made)] * len(made)
         feed._intake.source = None
         out["hostfeed_us"] = _median_us(times)
     except (AttributeError, TypeError) as e:
