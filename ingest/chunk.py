@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ingest.config import Config
-from ingest.shift import batch_groups, copy_rows, fields_of
+from ingest.shift import fields_of
 from ingest.units import UnitPlan
 
 __all__ = ["Chunk", "ChunkStream", "state_from_json"]
@@ -29,8 +29,8 @@ class Chunk:
     """Consecutive rows of one stream, with the stream's state after the last of them.
 
     The six fields of ``FIELDS`` are kept in two arrays (``TOKEN_FIELDS``,
-    ``LAYOUT_FIELDS``); ``fields`` gives them as one int32 array, ``copy_rows`` copies rows
-    into a batch's.
+    ``LAYOUT_FIELDS``); ``fields`` gives them as one int32 array, and
+    ``ingest.shift.RowPieces`` copies rows of them into a batch's.
 
     Attributes:
       stream_id: the stream.
@@ -59,14 +59,6 @@ class Chunk:
         """The rows as int32 ``[6, num_rows, seq_len]``, fields in ``FIELDS`` order (a new
         array)."""
         return fields_of(self.tokens, self.layout)
-
-    def copy_rows(self, out: np.ndarray | tuple[np.ndarray, ...], at: int, start: int,
-                  n: int) -> None:
-        """Copies rows ``[start, start + n)`` into rows ``[at, at + n)`` of ``out``: an int32
-        ``[6, rows, seq_len]`` array in ``FIELDS`` order, or its ``batch_groups`` (made once
-        for many calls, which saves making them each time)."""
-        groups = batch_groups(out) if isinstance(out, np.ndarray) else out
-        copy_rows(groups, self.tokens, self.layout, at, start, n)
 
 
 class ChunkStream(abc.ABC):

@@ -24,8 +24,8 @@ import functools
 import numpy as np
 
 __all__ = ["FIELDS", "FIELD_PLACES", "LAYOUT_FIELDS", "TOKEN_FIELDS", "RowPieces",
-           "batch_groups", "chunk_token_bytes", "concat_fields", "copy_rows", "fields_of",
-           "layout_dtype", "new_rows", "shift_rows"]
+           "batch_groups", "chunk_token_bytes", "concat_fields", "fields_of", "layout_dtype",
+           "new_rows", "shift_rows"]
 
 # Sorted by name: the digest and the chunk layout both use this order.
 FIELDS = ("inputs", "inputs_position", "inputs_segmentation",
@@ -58,7 +58,7 @@ def chunk_token_bytes(seq_len: int) -> int:
 def batch_groups(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A batch's int32 ``[6, rows, seq_len]`` array (FIELDS order) as three ``[2, rows,
     seq_len]`` views: the tokens (inputs, targets), the positions and the segment ids, each
-    inputs' then targets'. ``copy_rows`` fills each group with one copy. Of ``[steps, 6, rows,
+    inputs' then targets'. ``RowPieces`` fills each group with one copy. Of ``[steps, 6, rows,
     seq_len]`` (several steps' batches), each view is ``[steps, 2, rows, seq_len]``.
 
     Raises:
@@ -72,22 +72,12 @@ def batch_groups(out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return by_side[..., 0, :, :], by_side[..., 1, :, :], by_side[..., 2, :, :]
 
 
-def copy_rows(groups: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: np.ndarray,
-              layout: np.ndarray, at: int, start: int, n: int) -> None:
-    """Copies a chunk's rows ``[start, start + n)`` into rows ``[at, at + n)`` of a batch's
-    ``batch_groups``: three copies, the layout's widened to int32 on the way."""
-    tok, pos, seg = groups
-    tok[:, at:at + n] = tokens[:, start:start + n]
-    pos[:, at:at + n] = layout[:1, start:start + n]  # inputs_position, also targets_position
-    seg[:, at:at + n] = layout[1:, start:start + n]  # inputs' and targets' segment ids
-
-
 class RowPieces:
     """Row ranges of chunks, in a batch's order, copied into it at once.
 
     ``add`` notes rows of a chunk's ``tokens`` and ``layout``, ``add_padding`` all-zero rows;
     ``copy_into`` writes them back to back into the rows of a batch's ``batch_groups``: one
-    copy per group, however many pieces, against three per piece for ``copy_rows``. A step of
+    copy per group, however many pieces, against three per piece copied on its own. A step of
     16 streams is then 4 numpy calls instead of 48, and the assembling thread lets the
     interpreter's lock go (numpy drops it inside a copy) 4 times instead of 48, each a chance
     for another thread to take it and make this one wait for it back.
@@ -138,7 +128,9 @@ def fields_of(tokens: np.ndarray, layout: np.ndarray) -> np.ndarray:
     """A chunk's ``tokens`` and ``layout`` arrays as one int32 ``[6, rows, seq_len]`` array,
     fields in ``FIELDS`` order (a new array)."""
     out = np.empty((len(FIELDS), *tokens.shape[1:]), np.int32)
-    copy_rows(batch_groups(out), tokens, layout, 0, 0, tokens.shape[1])
+    pieces = RowPieces(tokens.shape[2])
+    pieces.add(tokens, layout, 0, tokens.shape[1])
+    pieces.copy_into(batch_groups(out))
     return out
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.shift import FIELDS, RowPieces, batch_groups, copy_rows, fields_of, layout_dtype
+from ingest.shift import FIELDS, RowPieces, batch_groups, fields_of, layout_dtype
 from ingest.shift import concat_fields as _concat_fields
 from ingest.shift import shift_rows as _shift_rows
 
@@ -321,24 +321,35 @@ def test_positions_and_segment_ids_are_exact_at_the_largest_seq_lens(seq_len):
     assert int(got_pos.max()) == seq_len - 1  # the 70,000-token document fills row 0
 
 
+def place_rows(out: np.ndarray, tok: np.ndarray, layout: np.ndarray, at: int, start: int,
+               n: int) -> None:
+    """Rows ``[start, start + n)`` of a chunk's arrays into rows ``[at, at + n)`` of an int32
+    ``[6, rows, L]`` batch, field by field by name: the reference for ``RowPieces``."""
+    for name, src in (("inputs", tok[0]), ("targets", tok[1]), ("inputs_position", layout[0]),
+                      ("targets_position", layout[0]), ("inputs_segmentation", layout[1]),
+                      ("targets_segmentation", layout[2])):
+        out[F[name], at:at + n] = src[start:start + n]
+
+
 @pytest.mark.parametrize("layout_type", [np.uint16, np.int32])
-def test_copy_rows_puts_each_field_of_a_chunks_rows_in_place_and_touches_no_others(layout_type):
+def test_row_pieces_put_each_field_of_a_chunks_rows_in_place_and_touch_no_others(layout_type):
     rng = np.random.default_rng(0)
     tok = rng.integers(0, 50_000, (2, 5, 8), dtype=np.int32)
     layout = rng.integers(0, 60_000, (3, 5, 8)).astype(layout_type)
     out = np.full((len(FIELDS), 7, 8), -1, np.int32)
-    copy_rows(batch_groups(out), tok, layout, 4, 1, 3)
-    for name, src in (("inputs", tok[0]), ("targets", tok[1]), ("inputs_position", layout[0]),
-                      ("targets_position", layout[0]), ("inputs_segmentation", layout[1]),
-                      ("targets_segmentation", layout[2])):
-        np.testing.assert_array_equal(out[F[name], 4:7], src[1:4], err_msg=name)
-    assert (out[:, :4] == -1).all()
+    pieces = RowPieces(8)
+    pieces.add(tok, layout, 1, 3)
+    pieces.copy_into(batch_groups(out))
+    want = np.full_like(out, -1)
+    place_rows(want, tok, layout, 0, 1, 3)
+    for name in FIELDS:
+        np.testing.assert_array_equal(out[F[name]], want[F[name]], err_msg=name)
     with pytest.raises(ValueError, match="C-contiguous"):
         batch_groups(out[:, ::2])  # its groups would be copies: the rows would be lost
 
 
 @pytest.mark.parametrize("layout_type", [np.uint16, np.int32])
-def test_row_pieces_write_what_copy_rows_writes_piece_by_piece_with_zero_padding(layout_type):
+def test_row_pieces_write_each_piece_in_place_back_to_back_with_zero_padding(layout_type):
     rng = np.random.default_rng(1)
     L = 8
     chunks = [(rng.integers(0, 50_000, (2, rows, L), dtype=np.int32),
@@ -355,7 +366,7 @@ def test_row_pieces_write_what_copy_rows_writes_piece_by_piece_with_zero_padding
         if c is None:
             pieces.add_padding(n)
         else:
-            copy_rows(batch_groups(want), *chunks[c], at, start, n)
+            place_rows(want, *chunks[c], at, start, n)
             pieces.add(*chunks[c], start, n)
         at += n
     assert pieces.rows == total

@@ -30,6 +30,7 @@ from helpers import (
 
 from ingest import Stream, build_plan
 from ingest.plan import deal_units
+from ingest.shift import RowPieces, batch_groups
 
 EOS = 50256  # gpt2's <|endoftext|>
 PACKINGS = ("concat", "first_fit", "best_fit", "none")
@@ -100,9 +101,11 @@ def test_a_chunk_keeps_its_fields_in_the_bytes_the_object_store_bound_counts(cor
     assert chunk.tokens.nbytes + chunk.layout.nbytes == config.chunk_bytes
     fields = chunk.fields
     out = np.full((len(F), 7, config.seq_len), -1, np.int32)
-    chunk.copy_rows(out, 2, 1, 3)
-    np.testing.assert_array_equal(out[:, 2:5], fields[:, 1:4])
-    assert (out[:, :2] == -1).all() and (out[:, 5:] == -1).all()
+    pieces = RowPieces(config.seq_len)
+    pieces.add(chunk.tokens, chunk.layout, 1, 3)
+    pieces.copy_into(batch_groups(out))
+    np.testing.assert_array_equal(out[:, :3], fields[:, 1:4])
+    assert (out[:, 3:] == -1).all()
 
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_resume_with_different_rows_per_produce_gives_identical_rows(corpus, packing):
