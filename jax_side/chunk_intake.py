@@ -181,18 +181,22 @@ class ChunkIntake:
         """Rows of each stream's current chunk not taken yet."""
         return [c.rows - c.taken for c in self.cursors.values()]
 
+    def _with_rows(self, s: int) -> StreamCursor | None:
+        """Stream s's cursor, its next chunk started where the current one is used up; None
+        where the stream ended."""
+        c = self.cursors[s]
+        if c.chunk is not None and c.taken == c.rows:
+            if c.chunk.exhausted:
+                return None
+            c.finish()
+        if c.chunk is None:
+            c.start(self.source.next_chunk(s))
+        return c
+
     def take(self, s: int, pieces: RowPieces, k: int) -> int:
         """Adds up to k rows of stream s to ``pieces``; returns rows added."""
-        c = self.cursors[s]
         filled = 0
-        while filled < k:
-            if c.chunk is not None and c.taken == c.rows:
-                if c.chunk.exhausted:
-                    break
-                c.finish()
-            if c.chunk is None:
-                c.start(self.source.next_chunk(s))
-                continue
+        while filled < k and (c := self._with_rows(s)) is not None:
             n = min(k - filled, c.rows - c.taken)
             pieces.add(c.chunk.tokens, c.chunk.layout, c.taken, n)
             c.taken += n
@@ -202,14 +206,8 @@ class ChunkIntake:
     def holds(self, s: int, n: int) -> bool:
         """Whether stream s's current chunk has ``n`` rows not taken yet; a chunk used up is
         first followed by the stream's next one, as ``take`` does."""
-        c = self.cursors[s]
-        if c.chunk is not None and c.taken == c.rows:
-            if c.chunk.exhausted:
-                return False
-            c.finish()
-        if c.chunk is None:
-            c.start(self.source.next_chunk(s))
-        return c.rows - c.taken >= n
+        c = self._with_rows(s)
+        return c is not None and c.rows - c.taken >= n
 
     def add_ahead(self, s: int, pieces: RowPieces, k: int) -> None:
         """Adds stream s's next ``k`` rows for each of ``pieces.steps`` steps to ``pieces``,
