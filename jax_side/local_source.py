@@ -30,9 +30,11 @@ class LocalSource:
             if skip:
                 self._streams[s].produce(skip)
 
-    def next_chunk(self, s: int) -> Chunk:
+    def next_chunk(self, s: int, rows: int | None = None) -> Chunk:
+        """Stream ``s``'s next chunk: ``rows`` rows (default: this source's chunk rows), fewer
+        where the stream ends."""
         t0 = time.perf_counter()
-        c = self._streams[s].produce(self._rows)
+        c = self._streams[s].produce(rows or self._rows)
         self.wait_s += time.perf_counter() - t0
         return c
 

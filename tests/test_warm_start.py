@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ingest import BatchDigest, Config, SourceConfig
-from jax_side import HostFeed, batch_sharding
+from jax_side import HostFeed, batch_sharding, warm_start
 from jax_side.local_source import LocalSource
 from jax_side.warm_start import HOST_NICE, WarmStartSource
 from tests.helpers import write_parquet_corpus
@@ -157,9 +157,9 @@ def test_the_first_batch_is_made_at_normal_priority_and_the_rest_below_it(corpus
     made: list[tuple[int, int]] = []  # (stream, the maker thread's nice while it made it)
     real = LocalSource.next_chunk
 
-    def recording(self, s):
+    def recording(self, s, rows=None):
         made.append((s, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        return real(self, s)
+        return real(self, s, rows)
 
     monkeypatch.setattr(LocalSource, "next_chunk", recording)
     cfg = _config(corpus, num_epochs=None)
@@ -178,3 +178,30 @@ def test_the_first_batch_is_made_at_normal_priority_and_the_rest_below_it(corpus
     for s, nice in made:
         assert nice == (base if len(seen) < cfg.num_streams else HOST_NICE), (s, seen, made)
         seen.add(s)
+
+
+def test_the_hosts_chunks_double_from_one_steps_rows_to_the_cap_and_the_batches_do_not_change(
+        corpus, monkeypatch):
+    cfg = _config(corpus, num_epochs=1)
+    expected = _local_digests(cfg)
+    step_rows = cfg.global_batch_size // cfg.num_streams
+    cap = 4 * step_rows + 1  # reached after three doublings, and not a power of two of them
+    monkeypatch.setattr(warm_start, "CHUNK_TOKENS", cap * cfg.seq_len)
+    asked: dict[int, list[int]] = {}  # stream -> rows asked of each host chunk, in order
+    real = LocalSource.next_chunk
+
+    def recording(self, s, rows=None):
+        asked.setdefault(s, []).append(rows)
+        return real(self, s, rows)
+
+    monkeypatch.setattr(LocalSource, "next_chunk", recording)
+    gate = Gate(error=ConnectionError("Ray never comes in this test"))
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+        got = [_digest(b) for b in feed]  # every chunk made by this process
+        gate.opened.set()
+    assert got == expected
+    assert sorted(asked) == list(range(cfg.num_streams))
+    for s, rows in asked.items():
+        want = [min(step_rows << k, cap) for k in range(len(rows))]
+        assert rows == want, (s, rows)
+        assert len(rows) > 4, (s, rows)  # the cap was reached and held
