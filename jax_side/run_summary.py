@@ -18,7 +18,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
            else "startup - (no batch)")
         + f"  stall {100 * s['stall_fraction']:.1f}%"
         + (f"  (from step {s['steady_from_step']}: tokens/s {s['steady_tokens_per_s']:,.0f}, "
-           f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else ""),
+           f"stall {100 * s['steady_stall_fraction']:.1f}%)" if s.get("steady_from_step") else "")
+        + ("  (no --step-time: the loop only waits for batches)" if s.get("step_time_s") == 0
+           else ""),
         f"backend {s['backend']}  workers {s['workers']}"
         + (f" ({s['pending_workers']} pending: no CPU for them)" if s.get("pending_workers")
            else "")
@@ -77,6 +79,7 @@ def report(args, stats: dict[str, Any], start_step: int) -> int:
         if jax.process_index() != 0:
             return 0
     stats = json_safe(stats)
+    stats["step_time_s"] = getattr(args, "step_time", None) or 0.0
     if not stats.get("documents_counted", True):
         stats["documents"] = None
     for line in summary_lines(stats):

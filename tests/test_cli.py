@@ -29,6 +29,7 @@ import yaml
 
 from ingest import BatchDigest, load_config, step_digest
 from jax_side import HostFeed, batch_sharding
+from jax_side.run_summary import summary_lines
 
 TIMEOUT_S = 240  # a healthy run here takes a few seconds; 2 CPUs may be shared with other tests
 STEPS = 5
@@ -209,6 +210,10 @@ def test_run_prints_a_json_summary_with_sane_values(cli_run, backend, workers):
     assert s["backend"] == backend
     assert s["workers"] == (workers if backend == "ray" else 0)
     assert re.fullmatch(r"[0-9a-f]{64}", s["digest"]), s["digest"]
+    # Without --step-time the stall is the loop waiting for batches, and the summary says so.
+    assert s["step_time_s"] == 0
+    assert "no --step-time" in summary_lines(s)[0]
+    assert "no --step-time" not in summary_lines({**s, "step_time_s": 0.01})[0]
 
 
 @pytest.mark.slow
