@@ -474,7 +474,8 @@ def checked(reference, backend: str, encoding: str, fast: FastBPETokenizer) -> s
     files = [__file__] + [f for f in map(
         _module_file, (*_LIBRARY_MODULES[backend], "tiktoken._tiktoken")) if f]
     kind = f"backend-checks/{backend}-{encoding}-{vocabulary_digest(reference._enc)}"
-    return cached_by_files(kind, files, lambda: self_check(reference, fast._encode, fast=fast))
+    return cached_by_files(kind, files, lambda: self_check(reference, fast._encode, fast=fast),
+                           what=f"the check of {backend}'s ids against tiktoken's ({encoding})")
 
 
 def vocabulary_digest(encoding) -> str:

@@ -22,7 +22,7 @@ import unicodedata
 
 import numpy as np
 
-from ingest.cache import cache_root, cached_by_files, write_atomically
+from ingest.cache import cache_root, cached_by_files, made_once, write_atomically
 
 __all__ = ["UNICODE_16_LETTERS_AND_DIGITS", "GuardedTuetoken", "needs_tiktoken",
            "tokenizer_json"]
@@ -48,7 +48,8 @@ def _tiktoken_only() -> np.ndarray:
     """A flag per code point: True where a text holding it goes to tiktoken. Made once per
     machine and Unicode version (about 0.2 s), kept in the cache folder (read: 1 ms)."""
     bits = cached_by_files(f"tuetoken-guard-{unicodedata.unidata_version}", [__file__],
-                           _tiktoken_only_bits)
+                           _tiktoken_only_bits,
+                           what="the table of the characters tuetoken is not used on")
     return np.unpackbits(bits, count=0x110000).view(bool)
 
 
@@ -108,6 +109,22 @@ def tokenizer_json(encoding, name: str) -> str:
     path = os.path.join(cache_root(), "tuetoken", f"{name}.json")
     if os.path.exists(path):
         return path
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(_tokenizer_spec(encoding), f)
+
+    try:
+        with made_once(f"tuetoken's vocabulary for {name}", os.path.dirname(path)):
+            write_atomically(path, dump)
+    except OSError:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        dump(path)
+    return path
+
+
+def _tokenizer_spec(encoding) -> dict:
     ranks = encoding._mergeable_ranks
     alphabet = _bytes_to_unicode()
 
@@ -119,7 +136,7 @@ def tokenizer_json(encoding, name: str) -> str:
         pair = _merge_of(token, ranks) if len(token) > 1 else None
         if pair is not None:
             merges.append(f"{text(pair[0])} {text(pair[1])}")
-    spec = {"version": "1.0",
+    return {"version": "1.0",
             "model": {"type": "BPE", "vocab": {text(t): r for t, r in ranks.items()},
                       "merges": merges},
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
@@ -128,18 +145,6 @@ def tokenizer_json(encoding, name: str) -> str:
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False,
                               "rstrip": False, "normalized": False, "special": True}
                              for s, i in encoding._special_tokens.items()]}
-
-    def dump(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(spec, f)
-
-    try:
-        write_atomically(path, dump)
-    except OSError:
-        fd, path = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        dump(path)
-    return path
 
 
 class GuardedTuetoken:

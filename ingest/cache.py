@@ -12,10 +12,11 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cache_root", "cached_by_files", "write_atomically"]
+__all__ = ["cache_root", "cached_by_files", "made_once", "write_atomically"]
 
 log = logging.getLogger("ingest.cache")
 
@@ -26,9 +27,11 @@ def cache_root() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ingest")
 
 
-def cached_by_files(kind: str, files: list[str], build: Callable[[], Any]) -> Any:
+def cached_by_files(kind: str, files: list[str], build: Callable[[], Any], *,
+                    what: str | None = None) -> Any:
     """``build()``, pickled under the cache folder and reused while ``files`` keep their
-    paths, sizes and modification times.
+    paths, sizes and modification times. ``what`` names the value in the line logged when
+    it is built (``made_once``).
 
     For values that take long to derive from small files (GPT-2's BPE ranks: 0.26 s to parse
     per process, 0.01 s to unpickle), read once by every worker process of every run.
@@ -47,7 +50,8 @@ def cached_by_files(kind: str, files: list[str], build: Callable[[], Any]) -> An
         pass
     except Exception as e:  # noqa: BLE001 -- a damaged cache file is rebuilt
         log.warning("ignoring the unreadable cache file %s (%s: %s)", path, type(e).__name__, e)
-    value = build()
+    with made_once(what or kind, os.path.dirname(path)):
+        value = build()
 
     def dump(tmp: str) -> None:
         with open(tmp, "wb") as f:
@@ -56,6 +60,16 @@ def cached_by_files(kind: str, files: list[str], build: Callable[[], Any]) -> An
     with contextlib.suppress(OSError):
         write_atomically(path, dump)
     return value
+
+
+@contextlib.contextmanager
+def made_once(what: str, where: str):
+    """Logs, once the block is done, how long making ``what`` took and that later runs read
+    it from ``where``: a first run on a machine is slower by these, and says why."""
+    t0 = time.perf_counter()
+    yield
+    log.info("%s: made in %.1f s, kept in %s for later runs", what, time.perf_counter() - t0,
+             where)
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import sys
 import sysconfig
@@ -16,10 +17,12 @@ import sysconfig
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.cache import cache_root
+from ingest.cache import cache_root, made_once
 from ingest.config import Config, SourceConfig
 
 __all__ = ["demo_config", "write_demo_corpus"]
+
+log = logging.getLogger("ingest.demo")
 
 NUM_SHARDS = 8
 ROW_GROUP_SIZE = 8
@@ -36,6 +39,15 @@ def write_demo_corpus(root: str | None = None) -> str:
         return out
     files = sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True))
     files = [f for f in files if "site-packages" not in f]
+    log.info("writing the demo corpus, the %s source files of the standard library in %s, "
+             "as Parquet (once)", f"{len(files):,}", stdlib)
+    with made_once("the demo corpus", out):
+        _write_shards(files, stdlib, out)
+    open(done, "w").close()
+    return out
+
+
+def _write_shards(files: list[str], stdlib: str, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     texts, names = [], []
     for f in files:
@@ -56,8 +68,6 @@ def write_demo_corpus(root: str | None = None) -> str:
         tmp = os.path.join(out, f".part-{i:05d}.parquet.tmp")
         pq.write_table(part, tmp, row_group_size=ROW_GROUP_SIZE)
         os.replace(tmp, os.path.join(out, f"part-{i:05d}.parquet"))
-    open(done, "w").close()
-    return out
 
 
 def demo_config(**overrides) -> Config:

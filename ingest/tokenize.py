@@ -247,7 +247,8 @@ def _gpt2() -> TiktokenTokenizer:
     data = os.path.join(os.path.dirname(spec.origin), "data")
     files = [os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json")]
     ranks = cached_by_files("gpt2-ranks", files,
-                            lambda: tiktoken.load.data_gym_to_mergeable_bpe_ranks(*files))
+                            lambda: tiktoken.load.data_gym_to_mergeable_bpe_ranks(*files),
+                            what="GPT-2's BPE ranks")
     enc = tiktoken.Encoding("gpt2_offline", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": 50256})
     return TiktokenTokenizer("gpt2", enc, 50256)

@@ -47,7 +47,7 @@ def tiktoken_file_encoding(path: str) -> tuple[dict[bytes, int], str, dict[str, 
     those of the OpenAI encoding the ranks are, else ``<|endoftext|>`` after the highest rank
     and cl100k's pattern over 60,000 ranks, GPT-2's below."""
     ranks = cached_by_files("tiktoken-ranks-checked", [path],
-                            lambda: read_tiktoken_ranks(path))
+                            lambda: read_tiktoken_ranks(path), what=f"the ranks of {path}")
     known = _KNOWN_RANKS.get(_ranks_hash(ranks))
     if known is not None:
         _, pattern, specials = known

@@ -1,6 +1,7 @@
 """The cache of derived files: reused while its inputs are unchanged, rebuilt otherwise."""
 
 import os
+import unicodedata
 
 from ingest import cache
 from ingest.tokenize import load_tokenizer
@@ -56,3 +57,45 @@ def test_gpt2_from_cached_ranks_encodes_like_a_fresh_parse(tmp_path, monkeypatch
         load_tokenizer.cache_clear()
     assert fresh.tolist() == cached.tolist()
     assert 50256 not in cached.tolist()  # the literal special token is ordinary text
+
+
+def _made_once(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if ": made in " in r.getMessage()]
+
+
+def test_a_first_use_logs_each_thing_it_makes_with_its_time_and_folder_and_a_second_none(
+        tmp_path, monkeypatch, caplog, request):
+    """A first run on a machine is slower by what it caches; it says what, how long and where,
+    and a later run, reading them, says nothing of them."""
+    from ingest import bpe_backend, bpe_tuetoken
+    from ingest.demo import write_demo_corpus
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(root))
+    caches = (load_tokenizer, bpe_backend._guarded_tuetoken, bpe_tuetoken._tiktoken_only)
+
+    def fresh_process():
+        for c in caches:
+            c.cache_clear()
+
+    request.addfinalizer(fresh_process)
+    caplog.set_level("INFO", logger="ingest")
+    fresh_process()
+    corpus = write_demo_corpus()
+    tokenizer = load_tokenizer("gpt2")
+    first = _made_once(caplog)
+    kept = {m.split(" kept in ")[1].removesuffix(" for later runs") for m in first}
+    assert {os.path.relpath(k, root).split(os.sep)[0] for k in kept} == {
+        os.path.basename(corpus), "gpt2-ranks", "tuetoken", "backend-checks",
+        f"tuetoken-guard-{unicodedata.unidata_version}"}, first
+    assert all(os.path.isdir(k) and os.listdir(k) for k in kept), first
+    assert any("writing the demo corpus" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    fresh_process()
+    assert write_demo_corpus() == corpus
+    again = load_tokenizer("gpt2")
+    assert _made_once(caplog) == []
+    assert not any("writing the demo corpus" in r.getMessage() for r in caplog.records)
+    text = "def f(x):\n    return x  # caf\u00e9"
+    assert again.encode_batch([text])[0].tolist() == tokenizer.encode_batch([text])[0].tolist()
