@@ -360,6 +360,10 @@ class RayStarter:
     """
 
     def __init__(self, address: str | None, num_cpus: int | None = None):
+        given = address or os.environ.get("RAY_ADDRESS")
+        # A local cluster of this process's own (not one joined): nothing outside this process
+        # needs it, and its reaper stops it however the process ends.
+        self.starts_local = not given or given == "local"
         self._error: BaseException | None = None
         self._up = threading.Event()
         # Whether the thread went on to ray.init (True) or was called off before (False):
@@ -422,6 +426,10 @@ class RayStarter:
             if not self._starting:
                 return
         self._up.wait()
+
+    def is_up(self) -> bool:
+        """Whether ray.init has returned (or raised)."""
+        return self._up.is_set()
 
     def wait(self) -> None:
         """Returns once Ray is up; raises what ray.init raised."""

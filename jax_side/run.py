@@ -93,15 +93,21 @@ def run_command(args) -> int:
         held.close()
         stats = feed.stats()
         feed.close()
-        if ray_started is not None:
-            ray_started.join()  # a run may end before Ray is up
+        # A run whose data ended while its own local cluster was starting (the warm start
+        # made every row) does not wait for it: the cluster's reaper stops it at exit. A
+        # cluster joined is waited for, so that a wrong address fails the run.
+        ray_up = ray_started is None or ray_started.is_up() or not ray_started.starts_local
+        if ray_up and ray_started is not None:
+            ray_started.join()
         ray = sys.modules.get("ray")  # None where Ray did not import
-        if args.backend == "ray" and ray is not None:
+        if args.backend == "ray" and ray is not None and ray_up:
             # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
             # first, so that with --json the summary really is the last line.
             ray.shutdown()
-    if ray_started is not None:
-        ray_started.wait()  # a Ray that failed to start fails the run, done or not
+    if ray_started is not None and ray_up:
+        ray_started.wait()  # a Ray that failed to start fails the run
+    if args.backend == "ray":
+        stats["ray_up"] = ray_up
     stats["startup_s"] = (first_batch_at - t_start) if first_batch_at else float("nan")
     if killed is not None:
         stats["workers_killed"] = killed

@@ -24,7 +24,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"backend {s['backend']}  workers {s['workers']}"
         + (f" ({s['pending_workers']} pending: no CPU for them)" if s.get("pending_workers")
            else "")
-        + (f" (the first {s['warm_start_rows']:,} rows made here while Ray started)"
+        + (f" (all {s['warm_start_rows']:,} rows made here: the data ended before Ray was up)"
+           if s.get("ray_up") is False else
+           f" (the first {s['warm_start_rows']:,} rows made here while Ray started)"
            if s.get("warm_start_rows") else "") + f"  restarts {s['restarts']}  "
         + (f"(waited {s['cpu_wait_s']:.0f} s for a CPU {s['cpu_waits']} time(s))  "
            if s.get("cpu_waits") else "")

@@ -96,6 +96,7 @@ class WarmStartSource:
         self._pool: Any = None  # the pool, once open
         self._error: BaseException | None = None
         self._closed = False
+        self._waiting_for_ray = True  # the thread has not yet gone past _await_ray
         self.host_rows = 0
         self._thread = threading.Thread(target=self._start_pool, name="WarmStart", daemon=True)
 
@@ -139,8 +140,10 @@ class WarmStartSource:
         pool = None
         try:
             self._await_ray()
-            if self._closed:
-                return
+            with self._lock:
+                self._waiting_for_ray = False
+                if self._closed:
+                    return
             pool = self._make_pool(self._workers)
             import ray  # noqa: PLC0415 (Ray is up by now)
 
@@ -208,11 +211,13 @@ class WarmStartSource:
 
     def close(self) -> None:
         """Ends the host's part and the pool (one still starting included: Ray may be shut
-        down once this returns)."""
+        down once this returns). A thread still waiting for Ray is not waited for: it makes no
+        pool once Ray is up."""
         with self._lock:
             self._closed = True
             self._drop_local()
-        if self._thread.is_alive():
+            waiting = self._waiting_for_ray
+        if self._thread.is_alive() and not waiting:
             self._thread.join(self._timeout)
         if self._pool is not None:
             self._pool.close()

@@ -14,14 +14,18 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -388,6 +392,35 @@ def test_the_first_batches_come_while_ray_starts_and_the_workers_take_over(job, 
     assert s["warm_start_rows"] > 0, "the first rows should come from the command's process"
     assert len(s["rows_per_s_by_worker"]) == 2, "both workers should have taken over"
     assert s["digest"] == _local_digest(config, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_run_that_ends_while_its_ray_starts_leaves_at_once_and_its_cluster_is_stopped(
+        job, tmp_path, monkeypatch):
+    # Two steps of a small corpus come long before a local cluster is up (seconds here).
+    ray_root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_root))
+    config = job / "config.yaml"
+    proc = run_cli(["run", str(config), "--steps", "2", "--digest", "--json", "--no-progress",
+                    "--workers", "2"], cache_dir=tmp_path)
+    s = summary(proc)
+    if s["ray_up"]:
+        pytest.skip("Ray was up before the second batch on this machine: nothing to check")
+    assert s["digest"] == _local_digest(config, 2)
+    assert s["warm_start_rows"] > 0 and not s.get("rows_per_s_by_worker"), s
+    assert "the data ended before Ray was up" in proc.stderr
+    # The cluster's folder and processes go with the command (its reaper stops them).
+    deadline = time.monotonic() + 60
+    while True:
+        left = [p.name for p in ray_root.glob("ingest-ray-*")]
+        procs = [p.pid for p in psutil.process_iter(["cmdline"])
+                 if any(str(ray_root) in a for a in (p.info["cmdline"] or []))]
+        if not left and not procs:
+            break
+        assert time.monotonic() < deadline, f"left after 60 s: folders {left}, processes {procs}"
+        time.sleep(0.5)
+    shutil.rmtree(ray_root, ignore_errors=True)
 
 
 def _local_digest(config: Path, steps: int) -> str:

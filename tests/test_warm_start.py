@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ingest import BatchDigest, Config, SourceConfig
+from ingest.plan import build_plan
 from jax_side import HostFeed, batch_sharding, warm_start
 from jax_side.local_source import LocalSource
 from jax_side.warm_start import HOST_NICE, WarmStartSource
@@ -205,3 +206,25 @@ def test_the_hosts_chunks_double_from_one_steps_rows_to_the_cap_and_the_batches_
         want = [min(step_rows << k, cap) for k in range(len(rows))]
         assert rows == want, (s, rows)
         assert len(rows) > 4, (s, rows)  # the cap was reached and held
+
+
+def test_closing_while_ray_starts_does_not_wait_for_it_and_no_pool_is_made_after(corpus):
+    cfg = _config(corpus, num_epochs=None)
+    gate = Gate()
+    pools: list[int] = []
+    plan = build_plan(cfg)
+    src = WarmStartSource(cfg, plan, list(range(cfg.num_streams)), await_ray=gate,
+                          make_pool=lambda n: pools.append(n), workers=2,
+                          step_rows=cfg.global_batch_size // cfg.num_streams,
+                          get_timeout_s=WAIT_S)
+    src.open({s: (None, 0) for s in range(cfg.num_streams)})
+    assert src.next_chunk(0).num_rows > 0  # made by this process
+    closed = threading.Thread(target=src.close)
+    closed.start()
+    closed.join(WAIT_S / 2)
+    assert not closed.is_alive(), "close waited for Ray to come up"
+    assert src._thread.is_alive()  # still waiting for Ray
+    gate.opened.set()
+    src._thread.join(WAIT_S)
+    assert not src._thread.is_alive()
+    assert pools == [], "a pool was made after close"
