@@ -50,23 +50,25 @@ def cached_by_files(kind: str, files: list[str], build: Callable[[], Any], *,
         pass
     except Exception as e:  # noqa: BLE001 -- a damaged cache file is rebuilt
         log.warning("ignoring the unreadable cache file %s (%s: %s)", path, type(e).__name__, e)
-    with made_once(what or kind, os.path.dirname(path)):
-        value = build()
+    t0 = time.perf_counter()
+    value = build()
 
     def dump(tmp: str) -> None:
         with open(tmp, "wb") as f:
             pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
 
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError), made_once(what or kind, os.path.dirname(path), since=t0):
         write_atomically(path, dump)
     return value
 
 
 @contextlib.contextmanager
-def made_once(what: str, where: str):
-    """Logs, once the block is done, how long making ``what`` took and that later runs read
-    it from ``where``: a first run on a machine is slower by these, and says why."""
-    t0 = time.perf_counter()
+def made_once(what: str, where: str, since: float | None = None):
+    """Logs, once the block has written ``what`` to ``where`` for later runs to read, how long
+    making it took (from ``since``, a ``time.perf_counter()``, else the block's start): a
+    first run on a machine is slower by these, and says why. A block that raises logs
+    nothing."""
+    t0 = time.perf_counter() if since is None else since
     yield
     log.info("%s: made in %.1f s, kept in %s for later runs", what, time.perf_counter() - t0,
              where)

@@ -99,3 +99,18 @@ def test_a_first_use_logs_each_thing_it_makes_with_its_time_and_folder_and_a_sec
     assert not any("writing the demo corpus" in r.getMessage() for r in caplog.records)
     text = "def f(x):\n    return x  # caf\u00e9"
     assert again.encode_batch([text])[0].tolist() == tokenizer.encode_batch([text])[0].tolist()
+
+
+def test_a_value_that_cannot_be_kept_is_not_said_to_be_kept(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(blocker))
+    src = tmp_path / "vocab.txt"
+    src.write_text("x")
+    caplog.set_level("INFO", logger="ingest")
+    assert cache.cached_by_files("words", [str(src)], lambda: 5, what="the words") == 5
+    assert _made_once(caplog) == []
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    assert cache.cached_by_files("words", [str(src)], lambda: 6, what="the words") == 6
+    (line,) = _made_once(caplog)
+    assert line.startswith("the words: made in ") and str(tmp_path / "cache" / "words") in line
