@@ -396,8 +396,7 @@ class RayStarter:
         if not self._starting:  # the command is already on its way out
             self._up.set()
             return
-        given = address or os.environ.get("RAY_ADDRESS")
-        starts_cluster = not ray.is_initialized() and (not given or given == "local")
+        starts_cluster = not ray.is_initialized() and self.starts_local
         try:
             start_ray(address, num_cpus)
         except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
