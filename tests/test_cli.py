@@ -397,9 +397,10 @@ def test_the_first_batches_come_while_ray_starts_and_the_workers_take_over(job, 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_a_run_that_ends_while_its_ray_starts_leaves_at_once_and_its_cluster_is_stopped(
-        job, tmp_path, monkeypatch):
+        job, tmp_path, monkeypatch, request):
     # Two steps of a small corpus come long before a local cluster is up (seconds here).
     ray_root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths
+    request.addfinalizer(lambda: shutil.rmtree(ray_root, ignore_errors=True))
     monkeypatch.setenv("RAY_TMPDIR", str(ray_root))
     config = job / "config.yaml"
     proc = run_cli(["run", str(config), "--steps", "2", "--digest", "--json", "--no-progress",
@@ -420,7 +421,6 @@ def test_a_run_that_ends_while_its_ray_starts_leaves_at_once_and_its_cluster_is_
             break
         assert time.monotonic() < deadline, f"left after 60 s: folders {left}, processes {procs}"
         time.sleep(0.5)
-    shutil.rmtree(ray_root, ignore_errors=True)
 
 
 def _local_digest(config: Path, steps: int) -> str:
