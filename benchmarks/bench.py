@@ -47,11 +47,12 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from typing import Any
 
 from benchmarks import scaling
 from benchmarks.corpus import BenchSpec, make_spec
-from benchmarks.measure import RunResult, run_measured
+from benchmarks.measure import RunResult, machine_busy_cpu_s, run_measured
 
 __all__ = ["bench_command", "format_table", "machine_facts", "package_versions", "run_bench"]
 
@@ -65,6 +66,9 @@ TARGET_OF_LIMIT = 0.85
 TARGET_OF_LIMIT_FAST_BACKEND = 1.3
 TARGET_OVER_GRAIN = 3.0
 STEP_TIME_FACTOR = 1.25  # the simulated training step, relative to our time per batch
+# Other programs keeping this many CPUs busy at the start make the run provisional.
+BUSY_WARNING = 0.5
+BUSY_PROBE_S = 2.0
 DRIFT_WARNING = 0.05  # the tokenizer's limit moving more than this between its two measures
 # Per-subprocess deadlines. A full demo run takes ~20 s here; quick runs take a few seconds
 # each plus startup. Generous, so that a loaded machine is slow but never cut off.
@@ -116,6 +120,15 @@ def _section(result: RunResult, what: str) -> dict[str, Any]:
     return out
 
 
+def busy_cpus(seconds: float = BUSY_PROBE_S) -> float:
+    """CPUs the machine kept busy, on average, over the next ``seconds`` (this process sleeps):
+    other programs running at the start. The load average would also count, for a minute
+    after it ended, a benchmark run just before."""
+    before = machine_busy_cpu_s()
+    time.sleep(seconds)
+    return (machine_busy_cpu_s() - before) / seconds
+
+
 def machine_facts() -> dict[str, Any]:
     import psutil
 
@@ -128,7 +141,8 @@ def machine_facts() -> dict[str, Any]:
         pass
     return {"cpus": os.cpu_count(), "cpu_model": model, "cpu_siblings": _cpu_siblings(),
             "memory_bytes": psutil.virtual_memory().total, "platform": platform.platform(),
-            "python": platform.python_version(), "load_average_start": os.getloadavg()}
+            "python": platform.python_version(), "load_average_start": os.getloadavg(),
+            "busy_cpus_start": busy_cpus()}
 
 
 def _cpu_siblings(root: str = "/sys/devices/system/cpu") -> list[list[int]]:
@@ -268,19 +282,33 @@ def _ratios(results: dict[str, Any], cpus: int) -> dict[str, Any]:
     grains = [p for n, p in results["peers"].items()
               if n in GRAINS and p.get("tokens_per_s")]
     if grains:
-        out["ours_over_grain"] = rate / max(p["tokens_per_s"] for p in grains)
+        backend = feed_backend if "tokens_per_s" in feed_backend else limit
+        # Where both pipelines' runs have the limit on either side, their ratios to it divide
+        # (the machine's speed moves between the two sets of runs); else their rates.
+        paired = "ratios" in runs and all("over_limit" in p for p in grains)
+        if paired:
+            best = max(grains, key=lambda p: p["over_limit"])
+            out["grain_ratio_from"] = "ratios to the limit"
+            out["ours_over_grain"] = cpus * runs["ours_over_cpus_x_limit"] / best["over_limit"]
+            out["steady_ours_over_grain"] = (cpus * runs["steady_ours_over_cpus_x_limit"]
+                                             / max(p["steady_over_limit"] for p in grains))
+        else:
+            best = max(grains, key=lambda p: p["tokens_per_s"])
+            out["grain_ratio_from"] = "rates"
+            out["ours_over_grain"] = rate / best["tokens_per_s"]
+            # The same over each run's later part, where a grain run has one.
+            out["steady_ours_over_grain"] = steady / max(
+                p.get("steady_tokens_per_s") or p["tokens_per_s"] for p in grains)
         out["meets_grain_target"] = out["ours_over_grain"] >= TARGET_OVER_GRAIN
-        # The same over each run's later part, where a grain run has one.
-        out["steady_ours_over_grain"] = steady / max(
-            p.get("steady_tokens_per_s") or p["tokens_per_s"] for p in grains)
         out["meets_grain_target_steady"] = out["steady_ours_over_grain"] >= TARGET_OVER_GRAIN
         # The most ours / grain can be on these CPUs: every CPU running the tokenizer backend
         # alone (no feed makes more) over grain's rate. Grain in one process makes a share of
         # one core's tokenizer, so on few CPUs this caps the ratio, whatever the feed does.
-        backend = feed_backend if "tokens_per_s" in feed_backend else limit
-        if "tokens_per_s" in backend:
-            out["grain_ceiling"] = cpus * backend["tokens_per_s"] / max(
-                p["tokens_per_s"] for p in grains)
+        if paired and "tokens_per_s" in backend and "tokens_per_s" in limit:
+            out["grain_ceiling"] = (cpus * backend["tokens_per_s"] / limit["tokens_per_s"]
+                                    / best["over_limit"])
+        elif "tokens_per_s" in backend:
+            out["grain_ceiling"] = cpus * backend["tokens_per_s"] / best["tokens_per_s"]
     if "tokens_per_s" in limit:
         out["ours_over_cpus_x_limit"] = runs.get("ours_over_cpus_x_limit",
                                                  rate / (cpus * limit["tokens_per_s"]))
@@ -348,13 +376,27 @@ GRAINS = ("grain", "grain_mp")  # the grain pipelines on the feed's own backend
 def _median_run(sections: list[dict[str, Any]]) -> dict[str, Any]:
     """Of a peer's runs, the one with the median rate (the lower of the middle two), with every
     run's rate in ``runs_tokens_per_s`` where there were several; a failed run only if all
-    failed."""
+    failed. Where every run that made batches has the limit measured on either side of it
+    (``limit_before``, ``limit_after``), also each run's rate over the mean of the two
+    (``over_limit_by_run``, steady too) and their medians (``over_limit``,
+    ``steady_over_limit``)."""
     ok = sorted((s for s in sections if "tokens_per_s" in s), key=lambda s: s["tokens_per_s"])
     if not ok:
         return sections[-1]
     out = dict(ok[(len(ok) - 1) // 2])
     if len(sections) > 1:
         out["runs_tokens_per_s"] = [s.get("tokens_per_s") for s in sections]
+    made = [s for s in sections if "tokens_per_s" in s]  # in the order they ran
+    limits = [[x for x in (s.get("limit_before"), s.get("limit_after")) if x] for s in made]
+    if all(limits):
+        means = [statistics.fmean(x) for x in limits]
+        out["over_limit_by_run"] = [s["tokens_per_s"] / m
+                                    for s, m in zip(made, means, strict=True)]
+        out["steady_over_limit_by_run"] = [
+            (s.get("steady_tokens_per_s") or s["tokens_per_s"]) / m
+            for s, m in zip(made, means, strict=True)]
+        out["over_limit"] = statistics.median(out["over_limit_by_run"])
+        out["steady_over_limit"] = statistics.median(out["steady_over_limit_by_run"])
     return out
 
 
@@ -442,20 +484,37 @@ class _Runner:
 
     def peers(self, fast_backend: bool) -> dict[str, Any]:
         """Each peer with the feed's tokenizer backend; where that is a faster one than
-        tiktoken, grain again with tiktoken (``NAME_tiktoken``), except under ``--quick``."""
+        tiktoken, grain again with tiktoken (``NAME_tiktoken``), except under ``--quick``.
+
+        Each run of a grain pipeline on the feed's backend (``GRAINS``) is followed by the
+        tokenizer's limit, as the workers' runs are: the grain target divides the two
+        pipelines' ratios to the limit measured on either side of each run, not rates taken
+        minutes apart on a machine whose speed moves (not under ``--quick``)."""
         out = {}
         runs = [(n, []) for n in PEERS]
         if fast_backend and not self.spec.quick:
             runs += [(f"{n}_tiktoken", ["--backend", "tiktoken"]) for n in TIKTOKEN_PEERS]
+        limit_at: float | None = None  # the last measure of the limit, right before this run
         for key, extra in runs:
             name = key.removesuffix("_tiktoken")
             n = GRAIN_RUNS["quick" if self.spec.quick else "full"] if key in GRAINS else 1
+            paired = key in GRAINS and not self.spec.quick
             sections = []
             for i in range(n):
+                if paired and limit_at is None:
+                    limit_at = self.limit("tokenizer", f"tokenizer before {key}").get(
+                        "tokens_per_s")
                 _log(f"peer: {key}" + (f" (run {i + 1} of {n})" if n > 1 else ""))
-                sections.append(self.program("benchmarks.peers",
-                                             [name, "--spec", self.spec_path, *extra],
-                                             f"peer {key}"))
+                sec = self.program("benchmarks.peers", [name, "--spec", self.spec_path, *extra],
+                                   f"peer {key}")
+                if paired:
+                    after = self.limit("tokenizer", f"tokenizer after {key} run {i + 1}").get(
+                        "tokens_per_s")
+                    sec = {**sec, "limit_before": limit_at, "limit_after": after}
+                    limit_at = after
+                else:
+                    limit_at = None
+                sections.append(sec)
             out[key] = _median_run(sections)
         return out
 
@@ -587,8 +646,13 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"ingest bench ({r['mode']}): {len(s['files'])} file(s), tokenizer {s['tokenizer']}, "
              f"seq_len {s['seq_len']}, batch {s['global_batch_size']}, {cpus} CPUs, "
              f"epochs {s.get('epochs', 1)}, steps {s['steps']}"]
+    busy = r["machine"].get("busy_cpus_start")
     load = r["machine"].get("load_average_start", (0,))[0]
-    if load > 0.5:
+    if busy is not None and busy > BUSY_WARNING:
+        lines.append(f"WARNING: {busy:.1f} CPUs busy in the {BUSY_PROBE_S:.0f} s before the "
+                     f"start: another program was running, so these figures are noisy "
+                     f"(provisional)")
+    elif busy is None and load > BUSY_WARNING:
         lines.append(f"WARNING: load average {load:.1f} at start: another program was busy, so "
                      f"these figures are noisy (provisional)")
     w = (34, 14, 12, 16, 10, 22)
@@ -683,7 +747,10 @@ def format_table(r: dict[str, Any]) -> str:
         elif sec.get("runs_tokens_per_s"):
             rates = sec["runs_tokens_per_s"]
             note = (f"the median of {len(rates)} runs: "
-                    + ", ".join(_tok(x) if x else "failed" for x in rates))
+                    + ", ".join(_tok(x) if x else "failed" for x in rates)
+                    + ("; over the limit on either side: "
+                       + ", ".join(f"{x:.2f}" for x in sec["over_limit_by_run"])
+                       if sec.get("over_limit_by_run") else ""))
         row(PEER_TITLES[name].format(cpus=cpus), sec, note)
     lines += ["", _cpu_table(r)]
     lines.append("")
@@ -771,7 +838,10 @@ def format_table(r: dict[str, Any]) -> str:
                         + (f", steady {'met' if ra['meets_grain_target_steady'] else 'missed'}"
                            if "meets_grain_target_steady" in ra else "")) + ")"
                      + (f"; at most {ra['grain_ceiling']:.2f} here ({cpus} x the tokenizer "
-                        f"backend alone / grain)" if "grain_ceiling" in ra else ""))
+                        f"backend alone / grain)" if "grain_ceiling" in ra else "")
+                     + ("; each pipeline's median ratio to the limit measured on either side "
+                        "of its runs" if ra.get("grain_ratio_from") == "ratios to the limit"
+                        else ""))
     if "best_peer" in ra:
         lines.append(f"ours / best peer = {ra['ours_over_best_peer']:.2f} ({ra['best_peer']}, "
                      f"tokens/s from the first batch"

@@ -32,8 +32,8 @@ from typing import Any
 
 import psutil
 
-__all__ = ["RunResult", "TreeSampler", "busy_between", "machine_steal_s", "process_start_time",
-           "run_measured"]
+__all__ = ["RunResult", "TreeSampler", "busy_between", "machine_busy_cpu_s", "machine_steal_s",
+           "process_start_time", "run_measured"]
 
 GROUPS = ("host", "workers", "ray_idle_workers", "ray_system")
 STORE_POLL_S = 1.0  # one small RPC to the raylet per second
@@ -76,7 +76,8 @@ def _main_thread_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else -1.0
 
 
-def _machine_busy_cpu_s() -> float:
+def machine_busy_cpu_s() -> float:
+    """CPU time every CPU of the machine has spent busy since boot, in seconds."""
     t = psutil.cpu_times()
     return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
@@ -179,7 +180,7 @@ class TreeSampler:
         # involuntary context switches so far, the CPU it is bound to or None), for the
         # workers' group
         self._worker_detail: dict[int, tuple] = {}
-        self._machine_cpu0 = _machine_busy_cpu_s()
+        self._machine_cpu0 = machine_busy_cpu_s()
         self._steal0 = machine_steal_s()
         self._t0 = time.perf_counter()
         self._poll_store = poll_object_store
@@ -207,7 +208,7 @@ class TreeSampler:
         for t in self._threads:
             t.join(timeout=5)
         wall = time.perf_counter() - self._t0
-        machine = _machine_busy_cpu_s() - self._machine_cpu0
+        machine = machine_busy_cpu_s() - self._machine_cpu0
         cpu = dict.fromkeys(GROUPS, 0.0)
         for group, seconds in self._cpu.values():
             cpu[group] += seconds
