@@ -150,6 +150,17 @@ def test_the_grain_target_is_judged_from_the_first_batch_and_steady(name):
     assert f"at most {ceiling:.2f} here" in line
 
 
+LIMITS = [7.0e6, 6.0e6, 8.0e6, 7.0e6]  # the tokenizer's limit around three workers' runs
+RATES = [10.0e6, 13.0e6, 11.0e6]
+
+
+def _worker_runs(steady: float) -> list[dict]:
+    """Three workers' runs of ``RATES`` between the measures ``LIMITS``, each steady rate
+    ``steady`` times its rate."""
+    return [{"limit_before": LIMITS[i], "limit_after": LIMITS[i + 1], "tokens_per_s": RATES[i],
+             "steady_tokens_per_s": RATES[i] * steady} for i in range(3)]
+
+
 def test_the_ratio_to_the_limit_is_the_median_over_runs_each_between_two_limits():
     """Each workers' run is divided by the mean of the limit measured before and after it;
     the ratio judged is the median of those, and the table names each run's."""
@@ -157,11 +168,8 @@ def test_the_ratio_to_the_limit_is_the_median_over_runs_each_between_two_limits(
 
     results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
     cpus = results["setting"]["cpus"]
-    limits = [7.0e6, 6.0e6, 8.0e6, 7.0e6]
-    rates = [10.0e6, 13.0e6, 11.0e6]
-    results["worker_runs"] = [
-        {"limit_before": limits[i], "limit_after": limits[i + 1], "tokens_per_s": rates[i],
-         "steady_tokens_per_s": rates[i] * 1.01} for i in range(3)]
+    limits, rates = LIMITS, RATES
+    results["worker_runs"] = _worker_runs(1.01)
     results["worker_runs"].append({"limit_before": 7.0e6, "limit_after": None,
                                    "error": "ingest run failed"})  # no rate: left out
     ratios = _ratios(results, cpus)
@@ -217,11 +225,8 @@ def test_grain_runs_between_measures_of_the_limit_are_compared_by_their_ratios_t
 
     results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
     cpus = results["setting"]["cpus"]
-    limits = [7.0e6, 6.0e6, 8.0e6, 7.0e6]
-    rates = [10.0e6, 13.0e6, 11.0e6]
-    results["worker_runs"] = [
-        {"limit_before": limits[i], "limit_after": limits[i + 1], "tokens_per_s": rates[i],
-         "steady_tokens_per_s": rates[i]} for i in range(3)]
+    limits, rates = LIMITS, RATES
+    results["worker_runs"] = _worker_runs(1.0)
     ours_by_run = sorted(rates[i] / ((limits[i] + limits[i + 1]) / 2) for i in range(3))
 
     def grain(speed: float) -> dict:
