@@ -210,6 +210,13 @@ def _worker_run(ours: dict[str, Any], before: float | None, after: float | None
                       if k in ours}}
 
 
+def _limit_means(runs: list[dict[str, Any]]) -> list[float] | None:
+    """Each run's mean of the limit's measures on either side of it (``limit_before``,
+    ``limit_after``; one may have failed); None where a run has neither."""
+    limits = [[x for x in (r.get("limit_before"), r.get("limit_after")) if x] for r in runs]
+    return [statistics.fmean(x) for x in limits] if all(limits) else None
+
+
 def workers_rates(results: dict[str, Any]) -> dict[str, Any]:
     """The workers' rates and their ratios to the limit, over the workers' runs: each run's
     ratio divides by the mean of the limit's measures on either side of it, and every figure
@@ -227,9 +234,8 @@ def workers_rates(results: dict[str, Any]) -> dict[str, Any]:
     steadies = [r.get("steady_tokens_per_s") or r["tokens_per_s"] for r in runs]
     out["tokens_per_s"] = statistics.median(rates)
     out["steady_tokens_per_s"] = statistics.median(steadies)
-    limits = [[x for x in (r["limit_before"], r["limit_after"]) if x] for r in runs]
-    if all(limits):
-        means = [statistics.fmean(x) for x in limits]
+    means = _limit_means(runs)
+    if means:
         out["ratios"] = [a / (cpus * m) for a, m in zip(rates, means, strict=True)]
         out["steady_ratios"] = [a / (cpus * m) for a, m in zip(steadies, means, strict=True)]
         out["ours_over_cpus_x_limit"] = statistics.median(out["ratios"])
@@ -387,9 +393,8 @@ def _median_run(sections: list[dict[str, Any]]) -> dict[str, Any]:
     if len(sections) > 1:
         out["runs_tokens_per_s"] = [s.get("tokens_per_s") for s in sections]
     made = [s for s in sections if "tokens_per_s" in s]  # in the order they ran
-    limits = [[x for x in (s.get("limit_before"), s.get("limit_after")) if x] for s in made]
-    if all(limits):
-        means = [statistics.fmean(x) for x in limits]
+    means = _limit_means(made)
+    if means:
         out["over_limit_by_run"] = [s["tokens_per_s"] / m
                                     for s, m in zip(made, means, strict=True)]
         out["steady_over_limit_by_run"] = [
