@@ -34,6 +34,7 @@ import yaml
 from ingest import BatchDigest, load_config, step_digest
 from jax_side import HostFeed, batch_sharding
 from jax_side.run_summary import summary_lines
+from tests import helpers
 
 TIMEOUT_S = 240  # a healthy run here takes a few seconds; 2 CPUs may be shared with other tests
 STEPS = 5
@@ -383,8 +384,19 @@ def _endless_config(job: Path, tmp_path: Path) -> Path:
 @pytest.mark.ray
 def test_the_first_batches_come_while_ray_starts_and_the_workers_take_over(job, tmp_path,
                                                                            ray_cluster):
-    # The run starts its own local cluster (seconds); 400 steps of 0.04 s outlast that.
-    config = _endless_config(job, tmp_path)
+    # The run starts its own local cluster (seconds); 400 steps of 0.04 s outlast that. The
+    # host's chunks double up to 128k tokens, and it makes one ahead: rows of 1024 tokens cap
+    # them at 64 steps, so that it is not the host alone that reaches step 400. Documents of
+    # 200 - 400 words keep the epochs few.
+    corpus = tmp_path / "long"
+    corpus.mkdir()
+    for i in range(4):
+        pq.write_table(pa.table({"text": helpers.make_texts(60, 40 + i, min_words=200,
+                                                               max_words=400)}),
+                       str(corpus / f"part-{i:05d}.parquet"), row_group_size=20)
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump(dict(CONFIG, num_epochs=None, seq_len=1024,
+                                          sources=[{"paths": [str(corpus)]}])))
     steps = 400
     s = summary(run_cli(["run", str(config), "--steps", str(steps), "--digest", "--json",
                          "--no-progress", "--step-time", "0.04", "--workers", "2"],

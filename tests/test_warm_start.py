@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -228,3 +229,81 @@ def test_closing_while_ray_starts_does_not_wait_for_it_and_no_pool_is_made_after
     src._thread.join(WAIT_S)
     assert not src._thread.is_alive()
     assert pools == [], "a pool was made after close"
+
+
+def _record_makes(monkeypatch, block: tuple[int, int] | None = None
+                  ) -> tuple[dict[int, list[int]], threading.Event, threading.Event]:
+    """Records the rows of every host chunk, by stream. With ``block=(s, k)``, stream ``s``'s
+    ``k``-th chunk waits for the returned ``release`` event, after setting ``reached``."""
+    made: dict[int, list[int]] = {}
+    reached, release = threading.Event(), threading.Event()
+    real = LocalSource.next_chunk
+
+    def recording(self, s, rows=None):
+        made.setdefault(s, []).append(rows)
+        if block == (s, len(made[s])):
+            reached.set()
+            assert release.wait(WAIT_S), "the test never released the chunk"
+        return real(self, s, rows)
+
+    monkeypatch.setattr(LocalSource, "next_chunk", recording)
+    return made, reached, release
+
+
+def _wait_until(cond, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_host_keeps_one_chunk_of_every_stream_ready_ahead_of_the_caller(corpus,
+                                                                           monkeypatch):
+    cfg = _config(corpus, num_epochs=None)
+    made, _, _ = _record_makes(monkeypatch)
+    streams = list(range(cfg.num_streams))
+    step_rows = cfg.global_batch_size // cfg.num_streams
+    src = WarmStartSource(cfg, build_plan(cfg), streams, await_ray=Gate(),
+                          make_pool=lambda n: None, workers=2, step_rows=step_rows,
+                          get_timeout_s=WAIT_S)
+    src.open({s: (None, 0) for s in streams})
+    try:
+        first = {s: src.next_chunk(s) for s in streams}  # the first batch's chunks
+        # Nobody asks for more, and the next chunk of every stream is made all the same.
+        _wait_until(lambda: all(len(made.get(s, ())) == 2 for s in streams),
+                    f"the host did not make every stream's next chunk ahead: {made}")
+        time.sleep(0.2)
+        assert all(len(made[s]) == 2 for s in streams), f"more than one chunk ahead: {made}"
+        assert all(first[s].num_rows == step_rows for s in streams)
+        assert src.next_chunk(3).num_rows == 2 * step_rows  # the chunk made ahead
+        _wait_until(lambda: len(made[3]) == 3, "the host did not make stream 3's third chunk")
+        assert src.host_rows == len(streams) * 3 * step_rows + 4 * step_rows
+    finally:
+        src.close()
+
+
+def test_a_chunk_being_made_at_the_handoff_is_dropped_and_the_batches_do_not_change(
+        ray_cluster, corpus, monkeypatch):
+    cfg = _config(corpus, num_epochs=1)
+    expected = _local_digests(cfg)
+    made, reached, release = _record_makes(monkeypatch, block=(0, 3))
+    step_rows = cfg.global_batch_size // cfg.num_streams
+    gate = Gate()
+    got = []
+    with HostFeed(cfg, sharding=_sharding(), backend="ray", await_ray=gate) as feed:
+        for i, batch in enumerate(feed):
+            got.append(_digest(batch))
+            if i == 0:
+                # The host made every stream's first two chunks (1 and 2 steps' rows), and
+                # waits in stream 0's third, ahead of the caller: the workers take over now.
+                assert reached.wait(WAIT_S), "the host never began stream 0's third chunk"
+                src = feed._intake.source
+                gate.opened.set()
+                _wait_for_handoff(feed)
+                release.set()
+        stats = feed.stats()
+    assert got == expected
+    assert src.host_rows == cfg.num_streams * 3 * step_rows  # without the chunk dropped
+    assert made[0] == [step_rows, 2 * step_rows, 4 * step_rows]
+    assert stats["warm_start_rows"] == src.host_rows
+    assert sum(stats["rows_per_s_by_worker"].values()) > 0, stats
