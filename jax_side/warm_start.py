@@ -96,7 +96,6 @@ class WarmStartSource:
         self._failed: dict[int, BaseException] = {}  # a stream's chunk raised this
         self._ended: set[int] = set()  # streams whose last chunk the host made
         self._wanted: int | None = None  # the stream the caller waits for
-        self._making: int | None = None  # the stream whose chunk the maker makes
         # Where each stream is: (state, rows to skip) after the host's last chunk of it.
         self._at: dict[int, tuple[dict[str, Any] | None, int]] = {}
         self._lowered = False  # the maker runs at HOST_NICE (every stream has had a chunk)
@@ -186,14 +185,12 @@ class WarmStartSource:
                 rows = self._next_rows.get(s, self._step_rows)
                 self._next_rows[s] = min(2 * rows, self._max_rows)
                 self._made[s] += 1
-                self._making = s
             c = error = None
             try:
                 c = local.next_chunk(s, rows)
             except BaseException as e:  # noqa: BLE001 -- raised by the caller's next request
                 error = e
             with self._cv:
-                self._making = None
                 self._cv.notify_all()
                 if epoch != self._epoch or self._stopped():
                     continue  # a chunk of a pass reopened since, or of a stream handed off
