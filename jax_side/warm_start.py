@@ -1,17 +1,17 @@
 """Warm start: the host makes the first chunks itself while Ray starts, then hands every
 stream to the worker pool where it is.
 
-A local Ray cluster takes seconds to start, and its workers about one more. Until the pool
-runs, ``WarmStartSource`` makes each stream's chunks in this process, on a thread of its own
-that keeps one chunk of every stream ready ahead of the caller: the first of one step's rows,
-at normal priority (the first batch, which the caller waits for), then each twice the last,
-up to about 128k tokens, at low CPU priority (Linux), taking the CPU that Ray's start leaves
-idle, not Ray's. A chunk costs a fixed part on top of its rows: on the demo, one core
-made 7,800 - 8,000 rows a second in chunks of 2 rows and 14,700 in chunks of 128. Once the
-workers answer, it notes where each stream is after the chunks made, ``(state, rows to
-skip)``, and opens the pool there; the caller takes the chunks made first, while the pool makes
-its own, and a chunk still being made is dropped. A stream's rows depend only on its state, never on who makes them or in what chunks,
-so the batches are those of the pool alone::
+A local Ray cluster takes seconds to start, and its workers about one more. Until the pool runs,
+``WarmStartSource`` makes each stream's chunks in this process, on a thread of its own that
+keeps one chunk of every stream ready ahead of the caller: the first of one step's rows, at
+normal priority (the first batch, which the caller waits for), then each twice the last, up to
+about 128k tokens, at low CPU priority (Linux), taking the CPU that Ray's start leaves idle, not
+Ray's. A chunk costs a fixed part on top of its rows: on the demo, one core made 7,800 - 8,000
+rows a second in chunks of 2 rows and 14,700 in chunks of 128. Once the workers answer, it notes
+where each stream is after the chunks made, ``(state, rows to skip)``, and opens the pool there;
+the caller takes the chunks made first, while the pool makes its own, and a chunk still being
+made is dropped. A stream's rows depend only on its state, never on who makes them or in what
+chunks, so the batches are those of the pool alone::
 
     stream s   | host: 1 step | host: 2 steps | host: 4 ... | pool: chunk | pool: chunk |
                                                             ^ handoff: pool.open(s, state, skip)
