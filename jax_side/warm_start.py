@@ -289,11 +289,15 @@ class WarmStartSource:
     def close(self) -> None:
         """Ends the host's part and the pool (one still starting included: Ray may be shut
         down once this returns). A thread still waiting for Ray is not waited for: it makes no
-        pool once Ray is up."""
+        pool once Ray is up. The host's chunk being made, if any, is waited for."""
         with self._cv:
             self._closed = True
             self._drop_local()
             waiting = self._waiting_for_ray
+        if self._maker.is_alive():
+            # A chunk still being made is finished (and dropped) before this returns: the
+            # tokenizer's and Arrow's native code must not run on while the interpreter exits.
+            self._maker.join(self._timeout)
         if self._thread.is_alive() and not waiting:
             self._thread.join(self._timeout)
         if self._pool is not None:

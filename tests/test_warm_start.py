@@ -307,3 +307,25 @@ def test_a_chunk_being_made_at_the_handoff_is_dropped_and_the_batches_do_not_cha
     assert made[0] == [step_rows, 2 * step_rows, 4 * step_rows]
     assert stats["warm_start_rows"] == src.host_rows
     assert sum(stats["rows_per_s_by_worker"].values()) > 0, stats
+
+
+def test_close_waits_for_the_hosts_chunk_being_made(corpus, monkeypatch):
+    cfg = _config(corpus, num_epochs=None)
+    _, reached, release = _record_makes(monkeypatch, block=(2, 2))
+    streams = list(range(cfg.num_streams))
+    src = WarmStartSource(cfg, build_plan(cfg), streams, await_ray=Gate(),
+                          make_pool=lambda n: None, workers=2,
+                          step_rows=cfg.global_batch_size // cfg.num_streams,
+                          get_timeout_s=WAIT_S)
+    src.open({s: (None, 0) for s in streams})
+    for s in streams:
+        src.next_chunk(s)
+    assert reached.wait(WAIT_S), "the host never began stream 2's second chunk"
+    closed = threading.Thread(target=src.close)
+    closed.start()
+    closed.join(0.5)
+    # Native code must not run on while the process exits: close waits for the chunk.
+    assert closed.is_alive(), "close returned while the host was making a chunk"
+    release.set()
+    closed.join(WAIT_S)
+    assert not closed.is_alive() and not src._maker.is_alive()
