@@ -295,8 +295,8 @@ class WarmStartSource:
             self._drop_local()
             waiting = self._waiting_for_ray
         if self._maker.is_alive():
-            # A chunk still being made is finished (and dropped) before this returns: the
-            # tokenizer's and Arrow's native code must not run on while the interpreter exits.
+            # The chunk being made is waited for (then dropped): the tokenizer's and Arrow's
+            # native code must not run while the interpreter exits.
             self._maker.join(self._timeout)
         if self._thread.is_alive() and not waiting:
             self._thread.join(self._timeout)
