@@ -198,7 +198,15 @@ class ChunkIntake:
         filled = 0
         while filled < k and (c := self._with_rows(s)) is not None:
             n = min(k - filled, c.rows - c.taken)
-            pieces.add(c.chunk.tokens, c.chunk.layout, c.taken, n)
+            tokens, layout, start = c.chunk.tokens, c.chunk.layout, c.taken
+            if filled + n < k:
+                # The chunk ends inside these rows, and the next one comes (its request sent)
+                # before they are copied out: keep a copy of its last rows, not the chunk, so
+                # that it leaves the object store now, as object_store_bytes_bound counts.
+                tokens = tokens[:, start:start + n].copy()
+                layout = layout[:, start:start + n].copy()
+                start = 0
+            pieces.add(tokens, layout, start, n)
             c.taken += n
             filled += n
         return filled

@@ -27,7 +27,9 @@ from helpers import drain as drain_stream
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
+from ingest.shift import RowPieces, batch_groups, fields_of
 from jax_side import HostFeed, batch_sharding, private_api
+from jax_side.chunk_intake import ChunkIntake
 from jax_side.feed_stats import steady_window_start
 from jax_side.host_buffers import aligned_empty
 
@@ -347,6 +349,30 @@ def test_finite_data_stops_and_pads_ended_streams_with_counted_zero_rows(config,
     assert stats["padding_tokens"] == len(batches) * GLOBAL_BATCH * SEQ_LEN - tokens
     assert stats["steps"] == len(batches)
     assert stats["documents"] == 4 * 60
+
+
+def test_the_end_of_a_chunk_taken_inside_a_step_is_copied_out_before_the_next_chunk(config,
+                                                                                    plan):
+    # The object-store bound counts, per stream, the requests in flight and one chunk in hand:
+    # rows from the end of a chunk that wait for the step's copy must not keep that chunk (and
+    # its place in the store) alive beside the next one, whose request went out when it came.
+    intake = ChunkIntake(config, plan, (0,), backend="local", workers=1, get_timeout_s=30)
+    intake.open()
+    try:
+        assert intake.take(0, RowPieces(SEQ_LEN), K) == K
+        used_up = intake.cursors[0].chunk
+        assert used_up.num_rows == 3, "the test needs a chunk that ends inside the next step"
+        pieces = RowPieces(SEQ_LEN)
+        assert intake.take(0, pieces, K) == K  # its last row, then the next chunk's first
+        assert intake.cursors[0].chunk is not used_up
+        held = [a.shape for a in (*pieces._tokens, *pieces._positions, *pieces._segments)
+                if np.shares_memory(a, used_up.tokens) or np.shares_memory(a, used_up.layout)]
+        assert not held, f"the step's pieces still view the used-up chunk: {held}"
+        out = np.empty((len(FIELDS), K, SEQ_LEN), np.int32)
+        pieces.copy_into(batch_groups(out))
+        np.testing.assert_array_equal(out[:, :1], fields_of(used_up.tokens, used_up.layout)[:, 2:])
+    finally:
+        intake.close()
 
 
 def test_once_a_stream_ends_its_later_blocks_stay_zero(reference):
