@@ -276,7 +276,8 @@ def _main(argv: list[str] | None) -> int:
     prepare_environment(args)
     from jax_side.host_join import ClusterJoinError  # noqa: PLC0415
     from jax_side.multihost import PeerError  # noqa: PLC0415
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, datefmt="%Y-%m-%d %H:%M:%S",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ingest").setLevel(logging.INFO)
     try:
         if args.command == "bench":

@@ -261,8 +261,10 @@ def test_more_workers_than_cpus_get_a_local_cluster_with_a_cpu_each(job, cache_d
     assert s["workers"] == workers
     assert len(s["rows_per_s_by_worker"]) == workers, "every worker should have made rows"
     assert s["digest"] == in_process["digest_first"]
-    assert f"{workers} workers on {cpus} CPUs: the local Ray cluster gets {workers}" \
-        in proc.stderr
+    # A log line, with the time it was written.
+    line = (rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d WARNING ingest: {workers} workers on {cpus} "
+            rf"CPUs: the local Ray cluster gets {workers} ")
+    assert re.search(line, proc.stderr, re.M), proc.stderr[-3000:]
 
 
 @pytest.mark.slow
