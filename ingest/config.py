@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 from typing import Any
 
+from ingest.batch_schedule import BatchSchedule
 from ingest.config_checks import AUTO_FIELDS, check_fields, unknown_fields
 from ingest.config_memory import check_memory, machine_memory
 from ingest.config_yaml import read_yaml_fields, resolve_path, resolve_tokenizer
@@ -262,29 +264,20 @@ class Config:
                 f"chunk_rows")
         return min(self.prefetch, depth)
 
-    def rampup_factor_at(self, step: int) -> float:
-        """The ``batch_rampup`` factor of global batch ``step`` (0-based): the factor of the
-        largest key <= step, 1.0 before the first key or without a ramp-up."""
-        factor = 1.0
-        for at, f in (self.batch_rampup or {}).items():  # sorted by step at construction
-            if at > step:
-                break
-            factor = f
-        return factor
+    @functools.cached_property
+    def schedule(self) -> BatchSchedule:
+        """The rows of every global step, ``batch_rampup`` included (``ingest.batch_schedule``)."""
+        return BatchSchedule(global_batch_size=self.global_batch_size,
+                             num_streams=self.num_streams,
+                             rampup=tuple((self.batch_rampup or {}).items()))
 
     def batch_size_at(self, step: int) -> int:
-        """Rows of global batch ``step`` (0-based: the first batch is step 0), over all hosts:
-        ``global_batch_size x rampup_factor_at(step)``."""
-        return round(self.global_batch_size * self.rampup_factor_at(step))
+        """Rows of global batch ``step`` (0-based: the first batch is step 0), over all hosts."""
+        return self.schedule.size_at(step)
 
     def batch_sizes(self) -> dict[int, str]:
         """Every global batch size a run may use, each with where it comes from (for errors)."""
-        sizes = {self.global_batch_size: f"global_batch_size={self.global_batch_size}"}
-        for at, f in (self.batch_rampup or {}).items():
-            sizes.setdefault(round(self.global_batch_size * f),
-                             f"batch_rampup step {at}: global_batch_size={self.global_batch_size} "
-                             f"x {f:g} = {round(self.global_batch_size * f)} rows")
-        return sizes
+        return self.schedule.sizes()
 
     @property
     def rows_per_stream(self) -> int:

@@ -51,26 +51,10 @@ class IteratorLength:
 
 
 def steps_covering(config: Config, rows: int, *, start: int = 0, full: bool = False) -> int:
-    """Steps from step ``start`` (0-based) on that ``rows`` rows of one stream reach, taking
-    k_t = ``config.batch_size_at(t) / num_streams`` rows at step t: the steps holding at least
-    one of them, or with ``full`` the steps they fill completely.
-
-    ``steps_covering(c, 5)`` with k = 2 is 3 (rows 2, 2, 1); with ``full=True`` it is 2.
-    """
-    if rows <= 0:
-        return 0
-    keys = [t for t in (config.batch_rampup or {}) if t > start]
-    n, t, left = 0, start, rows
-    for end in [*keys, None]:
-        k = config.batch_size_at(t) // config.num_streams
-        span = None if end is None else end - t
-        need = left // k if full else -(-left // k)
-        if span is None or need < span or (not full and need == span):
-            return n + need
-        n, left, t = n + span, left - span * k, end
-        if left <= 0:
-            return n
-    raise AssertionError("unreachable: the last ramp-up segment is endless")
+    """Steps from step ``start`` (0-based) on that ``rows`` rows of one stream reach: the steps
+    holding at least one of them, or with ``full`` the steps they fill completely
+    (``ingest.batch_schedule.BatchSchedule.steps_covering``)."""
+    return config.schedule.steps_covering(rows, start=start, full=full)
 
 
 class LengthEstimator:
