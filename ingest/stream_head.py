@@ -11,6 +11,7 @@ Counters (documents, skips, truncations) advance with the head, so they survive 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from typing import Any
@@ -68,7 +69,10 @@ class StreamState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StreamState:
         """Raises ValueError: not a text stream's state, or of another version."""
-        return state_from_json(cls, d, version=STATE_VERSION, kind=None, what="stream",
+        # A copy: the head's counters (skipped, poison) change in place, and the caller keeps
+        # ``d`` (the feed holds it as the stream's base until the next chunk).
+        return state_from_json(cls, copy.deepcopy(d), version=STATE_VERSION, kind=None,
+                               what="stream",
                                hint="it was written by another ingest version or by a stream "
                                     "of another kind")
 
