@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ingest.chunk import state_from_json
-from ingest.errors import BAD_REASONS
+from ingest.errors import BAD_REASONS, StreamError
 from ingest.unit_reader import UnitReader, UnitTokens
 
 __all__ = ["STATE_VERSION", "Head", "StreamState"]
@@ -92,8 +92,38 @@ class Head:
         if s.exhausted:
             return None
         if not self.loaded:
-            self.loaded.append(self.reader.read(s.epoch, s.unit, s.doc, s.poison))
+            u = self.reader.read(s.epoch, s.unit, s.doc, s.poison)
+            self._check_offset(u)
+            self.loaded.append(u)
         return self.loaded[0]
+
+    def _check_offset(self, u: UnitTokens) -> None:
+        """Checks the head's ``offset`` against its document, read from the unit ``u`` at the
+        head: the one field of a restored state that the plan alone cannot bound (it counts
+        tokens).
+
+        Raises:
+          StreamError: ``offset`` does not name a token where this stream's head can be.
+        """
+        s, c = self.state, self.config
+        length = int(u.doc_offsets[1] - u.doc_offsets[0]) if len(u.bad) else 0
+        if c.packing == "concat":
+            ok = s.offset < length or s.offset == 0
+            allowed = f"0..{max(length - 1, 0)}"
+        elif c.long_documents == "truncate":
+            ok, allowed = s.offset == 0, "0 (long_documents: truncate)"
+        else:  # packed pieces start every seq_len tokens
+            ok = s.offset % c.seq_len == 0 and (s.offset < length or s.offset == 0)
+            allowed = f"a multiple of seq_len={c.seq_len} in 0..{max(length - 1, 0)}"
+        if ok:
+            return
+        source = "" if self.reader.source is None else f" (sources[{self.reader.source}])"
+        raise StreamError(
+            f"stream {self.reader.stream_id}{source}: its restored state has offset={s.offset}, "
+            f"outside {allowed}: its document, {self.reader.describe(s.epoch, s.unit, s.doc)}, "
+            f"has {length} tokens with its end-of-document token. The checkpoint was edited or corrupted, or saved over "
+            f"another corpus; restore another step or start fresh",
+            stream_id=self.reader.stream_id)
 
     def unit_after(self, i: int) -> UnitTokens | None:
         """The i-th loaded unit (0 = head), reading ahead as needed; None past the data."""
