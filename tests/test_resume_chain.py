@@ -10,6 +10,7 @@ have already moved on.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -34,8 +35,6 @@ MAX_STEPS = 40
 @functools.cache
 def _root(tmp_root: str) -> dict[str, Config]:
     """The three configs over small real corpora under ``tmp_root``."""
-    from pathlib import Path
-
     root = Path(tmp_root)
     write_parquet_corpus(root / "a", 3, 40, 8, seed=21, min_words=10, max_words=40)
     write_parquet_corpus(root / "b", 2, 20, 8, seed=22, min_words=10, max_words=40)
