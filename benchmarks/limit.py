@@ -182,7 +182,7 @@ _PROFILE_PARTS = (
     ("parquet_read", "ingest/sources.py", "read_texts"),
     ("utf8_decode", "ingest/sources.py", "decode_texts"),
     ("pack_shift", "ingest/shift.py", "concat_fields"),
-    ("pack", "ingest/pack.py", "assign_bins"),
+    ("pack", "ingest/pack.py", "place"),
     ("pack", "ingest/pack.py", "fill_bins"),
     ("shift", "ingest/shift.py", "shift_rows"),
     ("state", "ingest/text_stream.py", "get_state"),

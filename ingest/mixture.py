@@ -31,6 +31,7 @@ weights renormalized, and the mixture ends when every component has.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -146,8 +147,10 @@ class MixedStream(ChunkStream):
         if state is None:
             st = MixtureState.start(self._weights)
         else:
+            # A copy: the caller keeps ``state`` (the feed holds it as the stream's base),
+            # and the components' positions below change as rows are taken.
             st = state_from_json(
-                MixtureState, state, version=MIXTURE_STATE_VERSION, kind="mixture",
+                MixtureState, copy.deepcopy(state), version=MIXTURE_STATE_VERSION, kind="mixture",
                 what="mixture", derived=_DERIVED,
                 hint=f"stream {self.stream_id} was saved with another number of sources")
             if len(st.components) != len(self._components):

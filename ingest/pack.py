@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["assign_bins", "concat_rows", "fill_bins"]
+__all__ = ["BinPacker", "assign_bins", "concat_rows", "fill_bins"]
 
 
 def concat_rows(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: int,
@@ -46,6 +46,46 @@ def concat_rows(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: in
     return tok[idx], st[idx], valid[idx]
 
 
+class BinPacker:
+    """``assign_bins`` one piece at a time, so a caller can make pieces only until one fits
+    nowhere (the cost of a packing batch stays linear in the pieces it places).
+
+    Args:
+      capacity: tokens per bin (row).
+      num_bins: open bins (grain's ``num_packing_bins``).
+      best_fit: fullest fitting bin instead of the first fitting bin.
+    """
+
+    def __init__(self, capacity: int, num_bins: int, best_fit: bool):
+        self.capacity = capacity
+        self.best_fit = best_fit
+        self.placed = 0
+        self._used = np.zeros(num_bins, dtype=np.int64)
+        self._bins: list[list[int]] = [[] for _ in range(num_bins)]
+
+    def place(self, length: int) -> bool:
+        """Places the next piece (index ``placed``), of ``length`` <= capacity tokens.
+
+        Returns:
+          False, placing nothing, when it fits in no bin: the batch is complete.
+        """
+        fits = self._used + length <= self.capacity
+        if not fits.any():
+            return False
+        if self.best_fit:
+            b = int(np.argmax(np.where(fits, self._used, -1)))
+        else:
+            b = int(np.argmax(fits))
+        self._used[b] += length
+        self._bins[b].append(self.placed)
+        self.placed += 1
+        return True
+
+    def bins(self) -> list[list[int]]:
+        """Piece indices per non-empty bin, in bin order."""
+        return [b for b in self._bins if b]
+
+
 def assign_bins(lengths: np.ndarray, capacity: int, num_bins: int, best_fit: bool) -> tuple[
         list[list[int]], int]:
     """Packs pieces, in order, into at most ``num_bins`` bins until one fits nowhere.
@@ -60,19 +100,11 @@ def assign_bins(lengths: np.ndarray, capacity: int, num_bins: int, best_fit: boo
       (bins, consumed): piece indices per non-empty bin, and how many leading pieces were
       placed (the rest start the next packing batch).
     """
-    used = np.zeros(num_bins, dtype=np.int64)
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for i, n in enumerate(lengths.tolist()):
-        fits = used + n <= capacity
-        if not fits.any():
-            return [b for b in bins if b], i
-        if best_fit:
-            b = int(np.argmax(np.where(fits, used, -1)))
-        else:
-            b = int(np.argmax(fits))
-        used[b] += n
-        bins[b].append(i)
-    return [b for b in bins if b], len(lengths)
+    packer = BinPacker(capacity, num_bins, best_fit)
+    for n in lengths.tolist():
+        if not packer.place(n):
+            break
+    return packer.bins(), packer.placed
 
 
 def fill_bins(pieces: list[np.ndarray], bins: list[list[int]], width: int) -> tuple[

@@ -43,8 +43,9 @@ class FileInfo:
       row_groups: rows in each row group, in file order.
       group_bytes: uncompressed bytes of the text column per row group (balances the deal).
       content_key: a hash that changes when the file's content does: the Parquet footer (with
-        its column statistics), the Arrow footer (an IPC file's; a stream has none) plus the
-        file's first and last 64 KiB, all of a JSONL file, or an in-memory table's content.
+        its column statistics) or the Arrow footer (an IPC file's; a stream has none), plus
+        the file's first and last 64 KiB; all of a JSONL file; or an in-memory table's
+        content.
       table: the table of an in-memory source (format ``memory``), else None.
     """
 
@@ -98,7 +99,9 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
         size = fs.get_file_info(local).size
         if fmt == "parquet":
             with fs.open_input_file(local) as f:
-                key = _tail_hash(f, size, magic=b"PAR1", head_bytes=0)
+                # The first and last pages too: without compression or statistics, an edit
+                # that keeps every length leaves the footer as it was.
+                key = _tail_hash(f, size, magic=b"PAR1", head_bytes=1 << 16)
                 md = pq.ParquetFile(f).metadata
                 schema = md.schema.to_arrow_schema()
                 _check_column(schema, text_column, path, tokens=tokens)

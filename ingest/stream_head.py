@@ -11,6 +11,7 @@ Counters (documents, skips, truncations) advance with the head, so they survive 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ingest.chunk import state_from_json
-from ingest.errors import BAD_REASONS
+from ingest.errors import BAD_REASONS, StreamError
 from ingest.unit_reader import UnitReader, UnitTokens
 
 __all__ = ["STATE_VERSION", "Head", "StreamState"]
@@ -68,7 +69,10 @@ class StreamState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StreamState:
         """Raises ValueError: not a text stream's state, or of another version."""
-        return state_from_json(cls, d, version=STATE_VERSION, kind=None, what="stream",
+        # A copy: the head's counters (skipped, poison) change in place, and the caller keeps
+        # ``d`` (the feed holds it as the stream's base until the next chunk).
+        return state_from_json(cls, copy.deepcopy(d), version=STATE_VERSION, kind=None,
+                               what="stream",
                                hint="it was written by another ingest version or by a stream "
                                     "of another kind")
 
@@ -88,8 +92,38 @@ class Head:
         if s.exhausted:
             return None
         if not self.loaded:
-            self.loaded.append(self.reader.read(s.epoch, s.unit, s.doc, s.poison))
+            u = self.reader.read(s.epoch, s.unit, s.doc, s.poison)
+            self._check_offset(u)
+            self.loaded.append(u)
         return self.loaded[0]
+
+    def _check_offset(self, u: UnitTokens) -> None:
+        """Checks the head's ``offset`` against its document, read from the unit ``u`` at the
+        head: the one field of a restored state that the plan alone cannot bound (it counts
+        tokens).
+
+        Raises:
+          StreamError: ``offset`` does not name a token where this stream's head can be.
+        """
+        s, c = self.state, self.config
+        length = int(u.doc_offsets[1] - u.doc_offsets[0]) if len(u.bad) else 0
+        if c.packing == "concat":
+            ok = s.offset < length or s.offset == 0
+            allowed = f"0..{max(length - 1, 0)}"
+        elif c.long_documents == "truncate":
+            ok, allowed = s.offset == 0, "0 (long_documents: truncate)"
+        else:  # packed pieces start every seq_len tokens
+            ok = s.offset % c.seq_len == 0 and (s.offset < length or s.offset == 0)
+            allowed = f"a multiple of seq_len={c.seq_len} in 0..{max(length - 1, 0)}"
+        if ok:
+            return
+        source = "" if self.reader.source is None else f" (sources[{self.reader.source}])"
+        raise StreamError(
+            f"stream {self.reader.stream_id}{source}: its restored state has offset={s.offset}, "
+            f"outside {allowed}: its document, {self.reader.describe(s.epoch, s.unit, s.doc)}, "
+            f"has {length} tokens with its end-of-document token. The checkpoint was edited or corrupted, or saved over "
+            f"another corpus; restore another step or start fresh",
+            stream_id=self.reader.stream_id)
 
     def unit_after(self, i: int) -> UnitTokens | None:
         """The i-th loaded unit (0 = head), reading ahead as needed; None past the data."""

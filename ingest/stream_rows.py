@@ -9,10 +9,12 @@ that batch and skips them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from ingest.config import Config
-from ingest.pack import assign_bins, fill_bins
+from ingest.pack import BinPacker, fill_bins
 from ingest.shift import concat_fields, new_rows, shift_rows
 from ingest.stream_head import Head
 from ingest.unit_reader import UnitTokens
@@ -116,28 +118,33 @@ class RowBuilder:
         passed = np.searchsorted(ends, np.arange(1, rows + 1, dtype=np.int64) * L, "right")
         return passed + head.state.documents
 
-    def _pieces(self, u: UnitTokens, rel_doc: int, offset: int) -> tuple[list[np.ndarray],
-                                                                          list[tuple]]:
-        """Pieces of unit ``u`` from (rel_doc, offset) on, with the head each one starts at."""
+    def _pieces(self, head: Head, first: UnitTokens, rel_doc: int, offset: int
+                ) -> Iterator[tuple[np.ndarray, tuple[int, int, int]]]:
+        """Pieces from (rel_doc, offset) of the head unit on, each with the head it starts at
+        (loaded index, rel doc, offset). Lazy: a unit after the head's is read only once every
+        piece before it has been asked for."""
         L = self.config.seq_len
         split = self.config.long_documents == "split"
-        pieces, heads = [], []
-        for d in range(rel_doc, len(u.bad)):
-            a, b = int(u.doc_offsets[d]), int(u.doc_offsets[d + 1])
-            if a == b:
-                continue
-            off = offset if d == rel_doc else 0
-            if not split:
-                pieces.append(u.tokens[a:a + min(L, b - a)])
-                heads.append((d, 0))
-                continue
-            for p in range(a + off, b, L):
-                pieces.append(u.tokens[p:min(p + L, b)])
-                heads.append((d, p - a))
-        return pieces, heads
+        i, u = 0, first
+        while u is not None:
+            for d in range(rel_doc, len(u.bad)):
+                a, b = int(u.doc_offsets[d]), int(u.doc_offsets[d + 1])
+                if a == b:
+                    continue
+                if not split:
+                    yield u.tokens[a:a + min(L, b - a)], (i, d, 0)
+                    continue
+                off = offset if d == rel_doc else 0
+                for p in range(a + off, b, L):
+                    yield u.tokens[p:min(p + L, b)], (i, d, p - a)
+            i, rel_doc, offset = i + 1, 0, 0
+            u = head.unit_after(i)
 
     def _build_batch(self, head: Head) -> None:
-        """Packs the batch that starts at the head; remembers where the next one starts."""
+        """Packs the batch that starts at the head; remembers where the next one starts.
+
+        Pieces are made only until one fits nowhere (``none``: until the second), so a
+        batch costs what it places, however long the unit's remaining documents are."""
         c = self.config
         first = head.unit()
         if first is None:
@@ -145,27 +152,17 @@ class RowBuilder:
             self._batch_next = None
             return
         s = head.state
+        packer = (None if c.packing == "none"
+                  else BinPacker(c.seq_len, c.packing_bins, c.packing == "best_fit"))
         pieces: list[np.ndarray] = []
-        where: list[tuple[int, int, int]] = []  # (loaded index, rel doc, offset)
-        bins: list[list[int]] = []
-        consumed = 0
-        i, rel, off = 0, s.doc - first.first_doc, s.offset
-        while True:
-            u = head.unit_after(i) if i else first
-            if u is None:
-                break  # The data ends inside this batch.
-            p, h = self._pieces(u, rel, off)
-            pieces += p
-            where += [(i, d, o) for d, o in h]
-            if c.packing == "none":
-                bins, consumed = ([[0]], 1) if pieces else ([], 0)
-            else:
-                bins, consumed = assign_bins(np.array([len(x) for x in pieces], np.int64),
-                                             c.seq_len, c.packing_bins, c.packing == "best_fit")
-            if consumed < len(pieces):
+        self._batch_next = None  # None: the data ends inside this batch
+        for piece, at in self._pieces(head, first, s.doc - first.first_doc, s.offset):
+            full = bool(pieces) if packer is None else not packer.place(len(piece))
+            if full:  # this piece starts the next batch
+                self._batch_next = at
                 break
-            i, rel, off = i + 1, 0, 0
-        self._batch_next = where[consumed] if consumed < len(pieces) else None
+            pieces.append(piece)
+        bins = ([[0]] if pieces else []) if packer is None else packer.bins()
         self._batch = fill_bins(pieces, bins, self._width())
 
     def _produce_bins(self, head: Head, n_rows: int):

@@ -150,7 +150,12 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
     """
     found: dict[int, tuple[int, epath.Path]] = {}
     counts: set[int] = set()
-    names = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    try:
+        names = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    except OSError as e:  # not a directory, or not readable
+        raise FeedCheckpointError(
+            f"{directory} cannot be listed ({type(e).__name__}: {e}); restore another step",
+            path=str(directory)) from e
     for name in names:
         m = _PROCESS_FILE.fullmatch(name)
         if m:
@@ -184,6 +189,10 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
             raise FeedCheckpointError(
                 f"{path} is not valid JSON ({e}): the file is corrupt or was truncated; "
                 f"restore another step", path=str(path)) from e
+        except OSError as e:  # a directory in its place, no permission to read, an I/O error
+            raise FeedCheckpointError(
+                f"{path} cannot be read ({type(e).__name__}: {e}); restore another step",
+                path=str(path)) from e
         missing_keys = [k for k in (*_SHARED_KEYS, "streams")
                         if not isinstance(state, dict) or k not in state]
         if missing_keys or not isinstance(state["streams"], dict):

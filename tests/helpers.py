@@ -304,3 +304,69 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def assert_resumes_identically_in_chain(make_iterator: Callable[[], Any],
+                                        resume_at: Sequence[int],
+                                        next_output: Callable[[Any], Any] = next_row,
+                                        *, reference: Sequence[Any] | None = None,
+                                        max_steps: int = 10_000,
+                                        close: Callable[[Any], None] | None = None
+                                        ) -> list[Any]:
+    """Stops and resumes a run several times in a row and checks every output against the
+    unbroken run's.
+
+    The run starts in ``make_iterator()``; at each step of ``resume_at`` its ``get_state()``
+    goes through JSON into a fresh iterator, which carries on (so a state saved after a resume
+    is resumed again, as a training job restarted twice does). Every output of the chain, to
+    the end (or ``max_steps``), must equal the unbroken run's at the same step.
+
+    Args:
+      make_iterator: builds a fresh iterator with ``get_state()``/``set_state()``.
+      resume_at: the steps to stop and resume at, increasing.
+      next_output: the next output of an iterator, or None at its end.
+      reference: the unbroken run's outputs (None: run it here).
+      max_steps: outputs to compare at most (for endless iterators).
+      close: releases an iterator once the chain leaves it (None: nothing to release).
+
+    Returns:
+      The unbroken run's outputs.
+    """
+    assert list(resume_at) == sorted(set(resume_at)), f"resume_at={resume_at} must increase"
+
+    def run(it, n: int) -> list[Any]:
+        out = []
+        for _ in range(n):
+            x = next_output(it)
+            if x is None:
+                break
+            out.append(np.array(x, copy=True))
+        return out
+
+    if reference is None:
+        it = make_iterator()
+        reference = run(it, max_steps)
+        if close is not None:
+            close(it)
+    reference = list(reference)
+    assert reference, "the iterator produced nothing"
+    got: list[Any] = []
+    it = make_iterator()
+    for step in resume_at:
+        got += run(it, step - len(got))
+        state = json.loads(json.dumps(it.get_state()))
+        if close is not None:
+            close(it)
+        it = make_iterator()
+        it.set_state(state)
+        assert it.get_state() == state, f"state resumed at step {step} reads back differently"
+    got += run(it, max_steps - len(got))
+    if close is not None:
+        close(it)
+    for t, (a, b) in enumerate(zip(got, reference, strict=False)):
+        np.testing.assert_array_equal(
+            a, b, err_msg=f"resumed at steps {list(resume_at)}: step {t} differs")
+    assert len(got) == len(reference), (
+        f"resumed at steps {list(resume_at)}: {len(got)} outputs, the unbroken run had "
+        f"{len(reference)}")
+    return reference

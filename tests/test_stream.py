@@ -31,6 +31,7 @@ from helpers import (
 from ingest import Stream, build_plan
 from ingest.plan import deal_units
 from ingest.shift import RowPieces, batch_groups
+from ingest.stream_rows import RowBuilder
 
 EOS = 50256  # gpt2's <|endoftext|>
 PACKINGS = ("concat", "first_fit", "best_fit", "none")
@@ -143,18 +144,52 @@ def test_streams_partition_the_corpus_into_documents(tmp_path, shift):
     assert Counter(map(tuple, docs)) == Counter(map(tuple, tokenize(texts)))
 
 
+@pytest.mark.parametrize("seq_len", [16, 2, 1])
 @pytest.mark.parametrize("packing", ["first_fit", "best_fit", "none"])
-def test_streams_partition_the_corpus_into_pieces_when_bin_packing(tmp_path, packing):
+def test_streams_partition_the_corpus_into_pieces_when_bin_packing(tmp_path, packing, seq_len):
     texts = [t for f in write_parquet_corpus(tmp_path, n_files=2, docs_per_file=10,
                                              row_group_size=4, seed=12, max_words=40)
              for t in f]
-    seq_len = 16
     config = make_config([tmp_path], num_streams=2, unit_rows=2, seq_len=seq_len,
                          packing=packing)
     got = Counter(tuple(s) for fields in all_streams(config) for s in segments(fields))
     expected = Counter(tuple(doc[i:i + seq_len]) for doc in tokenize(texts)
                        for i in range(0, len(doc), seq_len))
     assert got == expected
+
+
+@pytest.mark.parametrize("packing", ["first_fit", "best_fit", "none"])
+def test_bin_packing_makes_pieces_in_proportion_to_the_rows_it_makes(tmp_path, packing,
+                                                                    monkeypatch):
+    # Long documents in one large unit, cut into many row-sized pieces: a packing batch must
+    # make the pieces it places (and the one that starts the next batch), not every piece of
+    # the rest of the unit again for each batch.
+    write_parquet_corpus(tmp_path, n_files=1, docs_per_file=40, row_group_size=40, seed=13,
+                         min_words=60, max_words=120)
+    config = make_config([tmp_path], seq_len=4, unit_rows=40, packing=packing, packing_bins=3)
+    made = 0
+    original = RowBuilder._pieces
+
+    def counting(pieces):
+        nonlocal made
+        for item in pieces:
+            made += 1
+            yield item
+
+    def counted(self, *args, **kwargs):
+        nonlocal made
+        got = original(self, *args, **kwargs)
+        if isinstance(got, tuple):  # a list of pieces at once
+            made += len(got[0])
+            return got
+        return counting(got)
+
+    monkeypatch.setattr(RowBuilder, "_pieces", counted)
+    rows = drain(Stream(config, build_plan(config), 0), n_rows=64).shape[1]
+    assert rows > 500
+    # A row holds at most seq_len pieces; each batch (at least one row) also makes the piece
+    # that starts the next one.
+    assert made <= (config.seq_len + 1) * rows, (made, rows)
 
 
 def test_bin_packed_stream_rows_equal_grain_packing_of_the_documents(tmp_path):
