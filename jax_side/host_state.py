@@ -264,13 +264,7 @@ class _StateRanges:
 
     def rows_before(self, step: int) -> int:
         """Rows one stream gives to steps ``0..step-1`` (ramp-up included)."""
-        c = self.config
-        keys = sorted(k for k in (c.batch_rampup or {}) if 0 < k < step)
-        total = t = 0
-        for end in [*keys, step]:
-            total += (end - t) * (c.batch_size_at(t) // c.num_streams)
-            t = end
-        return total
+        return self.config.schedule.rows_before(step)
 
 
 def validate_state(state: dict[str, Any], config: Config, plan: UnitPlan) -> None:
