@@ -31,7 +31,6 @@ from typing import Any
 import ray
 
 from actors.calls import WORKER_LOST, get_within, raise_worker_error
-from actors.faults import WorkerFaults
 from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
 from actors.orphans import OrphanedStreams
@@ -45,9 +44,10 @@ from actors.placement import (
 from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
 from actors.resize import PoolResizing
-from actors.worker import HOST_ENV, StreamWorker, WorkerError
+from actors.worker import HOST_ENV, StreamWorker, WorkerError, actor_class
 from ingest.config import Config
 from ingest.plan import UnitPlan
+from ingest.chunk import SourceStats, StartAt
 from ingest.stream import Chunk
 
 __all__ = ["WorkerPool"]
@@ -55,7 +55,7 @@ __all__ = ["WorkerPool"]
 log = logging.getLogger("ingest.pool")
 
 # The most of Ray's object store a worker prefaults as it starts (``prefault_object_store``):
-# mapping a page takes its process 1 - 2.4 us, so at most about half a second of a CPU.
+# mapping pages costs the worker's CPU, so a bound keeps it to a fraction of a second.
 PREFAULT_MAX_BYTES = 1 << 30
 
 
@@ -69,10 +69,13 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
       num_workers: actors to start (one CPU each); at most one per stream is useful.
       get_timeout_s: how long one chunk may take before the wait fails with an error; while
         no worker can run (no CPU), how often a warning says so (that wait has no deadline).
+      worker_cls: the worker class, ``StreamWorker`` or a subclass of it (tests inject faults
+        this way).
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
-                 num_workers: int, get_timeout_s: float = 300.0):
+                 num_workers: int, get_timeout_s: float = 300.0,
+                 worker_cls: type[StreamWorker] = StreamWorker):
         if num_workers <= 0:
             raise ValueError(f"workers={num_workers} must be positive")
         if not ray.is_initialized():
@@ -96,7 +99,7 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
         self._plan_ref = ray.put(plan)
         self._where: dict[int, ray.ObjectRef] = {}
         self._next_name = 0
-        self.worker_faults = WorkerFaults()  # given to every worker started (actors.faults)
+        self._actor_cls = actor_class(worker_cls)
         self.poisoned = 0  # documents located as killing workers and skipped
         n = pool_size(config, num_workers, len(self._stream_ids))
         idle = None if config.autoscale else idle_workers(num_workers, len(self._stream_ids),
@@ -179,21 +182,28 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
     def num_workers(self) -> int:
         return len(self._workers)
 
-    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
-        """Opens every stream at ``(state, rows to skip)`` (None state: the beginning)."""
+    def open(self, states: dict[int, StartAt]) -> None:
+        """Opens every stream at ``(state, rows to skip)`` (None state: the beginning). A
+        worker lost meanwhile is replaced, and its streams reopened on the new one."""
         self._resume.update(states)
-        refs = [self._placement[s].open.remote(s, st, skip) for s, (st, skip) in states.items()]
-        for out in get_within(refs, self._timeout, "opening streams"):
+        asked = {s: self._placement[s] for s in states}
+        refs = {s: w.open.remote(s, *states[s]) for s, w in asked.items()}
+        for s, ref in refs.items():
+            try:
+                out = get_within(ref, self._timeout, f"opening stream {s}")
+            except WORKER_LOST as e:
+                self._replace(asked[s], s, e)
+                continue
             raise_worker_error(out)
         # Every stream's first request before any second one: workers serve requests in order,
         # and the first step needs a chunk of every stream. (A first chunk of one step's rows
-        # was tried: the first batch came no sooner beyond the noise, and the consumer then
-        # stalled on every stream's next full chunk: 12-20% stall against 1-6%.)
+        # was tried: the first batch came no sooner, and the consumer then stalled on every
+        # stream's next full chunk.)
         for depth in range(1, self._depth + 1):
             for s in self._stream_ids:
                 self._fill(s, depth)
 
-    def reopen(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+    def reopen(self, states: dict[int, StartAt]) -> None:
         """Drops every request in flight and opens the streams again at ``states``, on the
         workers already running (``reset_after_epoch`` restarts a pass this way)."""
         for q in self._queues.values():
@@ -205,11 +215,10 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
 
     def _spawn(self):
         name = f"w{self._next_name}"
-        w = StreamWorker.remote(self._config, self._plan_ref, name,
-                                prefault_bytes=self._prefault_bytes,
-                                host_env={k: os.environ[k] for k in HOST_ENV if k in os.environ})
-        if self.worker_faults:
-            w.set_faults.remote(self.worker_faults)
+        w = self._actor_cls.remote(self._config, self._plan_ref, name,
+                                   prefault_bytes=self._prefault_bytes,
+                                   host_env={k: os.environ[k] for k in HOST_ENV
+                                             if k in os.environ})
         self._names[id(w)] = name
         self._next_name += 1
         # Asked first, so it is answered before any chunk request queues behind it.
@@ -297,7 +306,20 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
         self.metrics.queue_depth.set(len(self._queues[s]), tags=tags)
         self.metrics.held_bytes.set(held * self._config.chunk_bytes)
 
+    def stats(self) -> SourceStats:
+        return SourceStats(
+            num_workers=len(self._workers), num_pending=len(self._pending),
+            restarts=self.restarts, resizes=self.resizes, poisoned=self.poisoned,
+            cpu_waits=self.cpu_waits, cpu_wait_s=self.cpu_wait_s, bytes_bound=self.bytes_bound,
+            bytes_peak=self.bytes_peak, chunks_received=self.chunks_received,
+            requests=self.requests, wait_s=self.wait_s,
+            rows_by_worker=dict(self.rows_by_worker), rows_by_stream=dict(self.rows_by_stream),
+            started_at=self.started_at)
+
     def close(self) -> None:
         for w in self._workers + self._pending:
-            ray.kill(w, no_restart=True)
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 -- a worker lost already is gone either way
+                pass
         self._workers, self._pending = [], []

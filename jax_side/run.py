@@ -190,7 +190,7 @@ def _feed_loop(args, feed, manager, digest: BatchDigest | None, start_step: int
     if args.kill_worker_every:
         from actors.faults import WorkerKiller  # noqa: PLC0415 (imports Ray)
 
-        killer = WorkerKiller(feed, args.kill_worker_every)
+        killer = WorkerKiller(args.kill_worker_every)
     try:
         done = args.steps is not None and step >= args.steps
         for batch in () if done else feed:
