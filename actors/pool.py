@@ -45,9 +45,9 @@ from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
 from actors.resize import PoolResizing
 from actors.worker import HOST_ENV, StreamWorker, WorkerError, actor_class
+from ingest.chunk import SourceStats, StartAt
 from ingest.config import Config
 from ingest.plan import UnitPlan
-from ingest.chunk import SourceStats, StartAt
 from ingest.stream import Chunk
 
 __all__ = ["WorkerPool"]
