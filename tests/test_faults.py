@@ -167,9 +167,9 @@ def test_a_stream_that_keeps_failing_stops_with_an_error_naming_file_and_row(ray
         expected.set_state(first.state_after)
         where = expected.describe_head()
         with pytest.raises(StreamError) as e:
-            for _ in range(2 * pool.max_failures):
+            for _ in range(2 * pool.recovery.max_failures):
                 pool.next_chunk(3)
-        assert f"stream 3 failed {pool.max_failures} times" in str(e.value)
+        assert f"stream 3 failed {pool.recovery.max_failures} times" in str(e.value)
         assert where in str(e.value)
         assert str(corpus) in where and " row " in where
     finally:
@@ -226,7 +226,7 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
             nulled = ref.get_state()["skipped"].get("null_text", {})
             assert sum(crashed.values()) == sum(nulled.values())
         assert pool.stats().poisoned == 1
-        assert pool.stats().restarts >= pool.max_failures
+        assert pool.stats().restarts >= pool.recovery.max_failures
     finally:
         pool.close()
 

@@ -198,7 +198,7 @@ def test_ray_feed_digest_matches_local_for_any_worker_count(ray_cluster, config,
         batches = drain(feed)
         stats = feed.stats()
         pool = feed._intake.source
-        chunks, requests = pool.chunks_received, pool.requests
+        chunks, requests = pool.chunks_received, pool.stats().requests
     # Grouped: the streams of a group run out of chunks at the same step, so (start and end
     # aside) one call serves them all. Groups are at most a worker's share of the streams.
     group = min(streams_per_call, NUM_STREAMS // workers)
