@@ -15,6 +15,7 @@ import numpy as np
 
 from ingest.chunk import ChunkSource, SourceStats
 from ingest.plan import UnitPlan
+from ingest.replay import MaterializedPlan
 
 __all__ = ["FeedCounters", "PoolStats", "steady_window_start", "stream_counters"]
 
@@ -201,7 +202,7 @@ def stream_counters(entries: dict[str, Any], plan: UnitPlan, num_sources: int) -
     return {
         "documents": documents,
         # A materialized source replays rows: its streams count no documents.
-        "documents_counted": not hasattr(plan, "stream_units"),
+        "documents_counted": not isinstance(plan, MaterializedPlan),
         "skipped_documents": skipped,
         "skipped_rows_of_bad_files": skipped_units,
         "skipped_files": [p for p, _, _ in plan.skipped_files],
