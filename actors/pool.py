@@ -198,10 +198,6 @@ class WorkerPool:
         """The streams one call makes chunks of."""
         return self.placement.streams_per_call
 
-    def worker_of(self, s: int):
-        """The worker actor stream ``s`` is placed on."""
-        return self.placement.worker_of(s)
-
     def location(self, w) -> ray.ObjectRef:
         """``(process id, Ray node id)`` of worker ``w`` (a ref, asked when it started)."""
         return self.placement.location(w)
