@@ -25,6 +25,9 @@ log = logging.getLogger("ingest")
 # How long kill_random_worker waits for a worker to say where it runs.
 WHERE_TIMEOUT_S = 30
 
+# Ticks without a worker to kill before the killer says that it finds none.
+EMPTY_TICKS_WARNING = 5
+
 # The title Ray gives a worker actor's process: ``ray::`` and the class name, then the method
 # it runs, if any.
 WORKER_TITLE = "ray::StreamWorker"
@@ -88,10 +91,18 @@ class WorkerKiller:
         self._thread.start()
 
     def _loop(self) -> None:
+        empty = 0
         while not self._stop.wait(self._every):
             workers = worker_processes()
             if not workers:
-                continue  # none running yet (Ray starting), or a cluster of another process
+                # None running yet (Ray starting), or a cluster this process did not start.
+                empty += 1
+                if empty == EMPTY_TICKS_WARNING and not self.killed:
+                    log.warning("fault injection: no worker process of a Ray cluster this "
+                                "process started found after %d tries; a cluster joined with "
+                                "--address runs its workers elsewhere, and none is killed",
+                                empty)
+                continue
             p = workers[int(self._rng.integers(len(workers)))]
             try:
                 p.send_signal(signal.SIGKILL)
