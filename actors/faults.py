@@ -1,126 +1,41 @@
-"""Fault injection for tests, demos and ``ingest run --kill-worker-every``.
+"""Killing workers on purpose, from outside (tests, demos, ``ingest run --kill-worker-every``).
 
-Every way of breaking a running feed on purpose lives here, outside the product classes:
+Nothing here reaches inside a worker: a worker is SIGKILLed like the kernel's OOM killer would,
+and the pool notices the death as it notices any other.
 
-- ``inject_poison(pool, marker)``: every worker of a pool, present and future, dies (like a
-  segfault in a tokenizer) when it tokenizes a document containing ``marker``;
-- ``inject_error(pool, stream_id, at_row)``: a stream's worker fails once, partway through the
-  chunk that would emit row ``at_row``;
-- ``kill_random_worker(pool, rng)`` and ``WorkerKiller`` (``--kill-worker-every``): SIGKILL a
-  random worker's process, once or on a timer.
-
-A worker keeps what was injected into it in a ``WorkerFaults``
-(``StreamWorker.set_faults``); the pool hands its ``worker_faults`` to each worker it starts.
+- ``kill_random_worker(pool, rng)``: a random worker of one pool, once.
+- ``WorkerKiller(every_s)``: a random worker of this process's own Ray cluster, on a timer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import threading
-from typing import Any
 
 import numpy as np
+import psutil
 import ray
 
-__all__ = ["PoisonedTokenizer", "WorkerFaults", "WorkerKiller", "inject_error", "inject_poison",
-           "kill_random_worker"]
+__all__ = ["WorkerKiller", "kill_random_worker"]
 
 log = logging.getLogger("ingest")
 
 # How long kill_random_worker waits for a worker to say where it runs.
 WHERE_TIMEOUT_S = 30
 
+# Ticks without a worker to kill before the killer says that it finds none.
+EMPTY_TICKS_WARNING = 5
 
-@dataclasses.dataclass
-class WorkerFaults:
-    """The faults injected into one worker.
-
-    Attributes:
-      poison_marker: the worker's process dies on a document containing it.
-      error_at: ``(stream_id, row)``: that stream's produce call that would emit ``row`` fails
-        partway through its chunk, once.
-    """
-
-    poison_marker: str | None = None
-    error_at: tuple[int, int] | None = None
-
-    def __bool__(self) -> bool:
-        return self.poison_marker is not None or self.error_at is not None
-
-    def update(self, other: WorkerFaults) -> None:
-        """Takes the faults ``other`` sets; keeps the others."""
-        if other.poison_marker is not None:
-            self.poison_marker = other.poison_marker
-        if other.error_at is not None:
-            self.error_at = other.error_at
-
-    def tokenizer(self, tokenizer):
-        """``tokenizer``, or one that kills the process on a poisoned document."""
-        if self.poison_marker is None:
-            return tokenizer
-        return PoisonedTokenizer(tokenizer, self.poison_marker)
-
-    def before_produce(self, stream, stream_id: int, n_rows: int, worker: str) -> None:
-        """Raises the injected error if this produce call of ``stream`` would emit its row,
-        after producing the rows before it (so the failure lands mid-chunk).
-
-        Raises:
-          RuntimeError: the injected error, once.
-        """
-        if self.error_at is None or self.error_at[0] != stream_id:
-            return
-        done = stream.get_state()["rows_emitted"]
-        at = self.error_at[1]
-        if done < at <= done + n_rows:
-            self.error_at = None
-            if at - done > 1:
-                stream.produce(at - done - 1)
-            raise RuntimeError(f"injected error in worker {worker}, stream {stream_id}, "
-                               f"at row {at}")
-
-
-class PoisonedTokenizer:
-    """A tokenizer that kills its process on a marked document (``inject_poison``)."""
-
-    def __init__(self, tokenizer, marker: str):
-        self._tok = tokenizer
-        self._marker = marker
-        self.name, self.eos_id, self.vocab_size = (tokenizer.name, tokenizer.eos_id,
-                                                   tokenizer.vocab_size)
-
-    def encode_batch(self, texts: list[str]):
-        self._check(texts)
-        return self._tok.encode_batch(texts)
-
-    def encode_docs(self, texts: list[str]):
-        self._check(texts)
-        return self._tok.encode_docs(texts)
-
-    def _check(self, texts: list[str]) -> None:
-        if any(self._marker in t for t in texts):
-            os._exit(70)  # no cleanup, no exception: what a crashing native library does
-
-
-def inject_poison(pool, marker: str) -> None:
-    """Every worker of ``pool`` (an ``actors.pool.WorkerPool``), present and future, dies when
-    it tokenizes a document containing ``marker``."""
-    pool.worker_faults.poison_marker = marker
-    for w in pool.workers + pool.pending_workers:
-        w.set_faults.remote(WorkerFaults(poison_marker=marker))
-
-
-def inject_error(pool, stream_id: int, at_row: int) -> None:
-    """Stream ``stream_id``'s worker in ``pool`` fails partway through the chunk that would
-    emit row ``at_row`` (once). Pick a row past the requests already in flight."""
-    pool.worker_of(stream_id).set_faults.remote(WorkerFaults(error_at=(stream_id, at_row)))
+# The title Ray gives a worker actor's process: ``ray::`` and the class name, then the method
+# it runs, if any.
+WORKER_TITLE = "ray::StreamWorker"
 
 
 def kill_random_worker(pool, rng: np.random.Generator) -> str | None:
-    """SIGKILLs a random worker's process of ``pool`` (``ray.kill`` when it runs on another
-    node); the pool notices the death like any other. Safe from any thread.
+    """SIGKILLs a random worker's process of ``pool`` (an ``actors.pool.WorkerPool``;
+    ``ray.kill`` when it runs on another node). Safe from any thread.
 
     Returns:
       ``"pid N"`` of the worker killed, or None when there was none to kill.
@@ -143,13 +58,32 @@ def kill_random_worker(pool, rng: np.random.Generator) -> str | None:
     return f"pid {pid}"
 
 
-class WorkerKiller:
-    """``--kill-worker-every``: SIGKILLs a random worker of a feed's pool every ``every_s``
-    seconds, on a thread of its own, until ``stop``."""
+def worker_processes() -> list[psutil.Process]:
+    """The worker actor processes of the Ray cluster this process started (its descendants:
+    a local cluster's raylet forks them). Empty for a cluster started elsewhere."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = p.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if cmdline and cmdline[0].startswith(WORKER_TITLE):
+            found.append(p)
+    return found
 
-    def __init__(self, feed: Any, every_s: float, seed: int = 0):
+
+class WorkerKiller:
+    """``--kill-worker-every``: SIGKILLs a random worker process of this process's own Ray
+    cluster every ``every_s`` seconds, on a thread of its own, until ``stop``.
+
+    Attributes:
+      killed: workers killed so far.
+    """
+
+    def __init__(self, every_s: float, seed: int = 0):
+        if not every_s > 0:
+            raise ValueError(f"every_s={every_s!r}: give a positive number of seconds")
         self.killed = 0
-        self._feed = feed
         self._every = every_s
         self._rng = np.random.default_rng(seed)
         self._stop = threading.Event()
@@ -157,15 +91,25 @@ class WorkerKiller:
         self._thread.start()
 
     def _loop(self) -> None:
+        empty = 0
         while not self._stop.wait(self._every):
-            # The feed's Ray pool once it runs (None before; the local backend has none).
-            pool = self._feed._intake.source
-            if pool is None or not hasattr(pool, "worker_faults"):
+            workers = worker_processes()
+            if not workers:
+                # None running yet (Ray starting), or a cluster this process did not start.
+                empty += 1
+                if empty == EMPTY_TICKS_WARNING and not self.killed:
+                    log.warning("fault injection: no worker process of a Ray cluster this "
+                                "process started found after %d tries; a cluster joined with "
+                                "--address runs its workers elsewhere, and none is killed",
+                                empty)
                 continue
-            what = kill_random_worker(pool, self._rng)
-            if what:
-                self.killed += 1
-                log.warning("fault injection: killed worker %s", what)
+            p = workers[int(self._rng.integers(len(workers)))]
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                continue
+            self.killed += 1
+            log.warning("fault injection: killed worker pid %d", p.pid)
 
     def stop(self) -> None:
         self._stop.set()

@@ -10,16 +10,163 @@ the running workers in turn::
 ``streams_per_call`` is at most a worker's share of the streams, so that every worker gets a
 group (``ingest.config.streams_per_call_for``). After a resize or a replacement a group's
 streams may sit on different workers; each worker's part is then asked for on its own.
+
+``Placement`` holds a pool's workers (running, and pending: started but waiting for a CPU)
+and each stream's worker; the other parts of the pool change them through its methods.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import os
 from typing import Any
 
+import ray
+
+from actors.worker import HOST_ENV, StreamWorker, actor_class
 from ingest.config import Config
 
-__all__ = ["group_streams", "idle_workers", "place_groups", "pool_size", "uneven_share"]
+__all__ = ["Placement", "group_streams", "idle_workers", "place_groups", "pool_size",
+           "uneven_share"]
+
+log = logging.getLogger("ingest.pool")
+
+
+class Placement:
+    """A pool's workers and which of them runs each stream.
+
+    Args:
+      config: the validated config.
+      plan_ref: the unit plan, in the object store.
+      stream_ids: the streams of the pool.
+      worker_cls: ``StreamWorker`` or a subclass of it.
+      prefault_bytes: the object store each worker maps as it starts.
+      timeout_s: how long the first workers may take to start.
+
+    Attributes:
+      workers: the worker actors running, in the order started.
+      pending: the worker actors started but waiting for a CPU.
+      streams_per_call: the streams one call makes chunks of (``group_of``).
+    """
+
+    def __init__(self, config: Config, plan_ref: ray.ObjectRef, stream_ids: list[int], *,
+                 worker_cls: type[StreamWorker], prefault_bytes: int, timeout_s: float):
+        self._config = config
+        self._plan_ref = plan_ref
+        self._stream_ids = list(stream_ids)
+        self._actor_cls = actor_class(worker_cls)
+        self._prefault_bytes = prefault_bytes
+        self._timeout = timeout_s
+        self.workers: list = []
+        self.pending: list = []
+        self.streams_per_call = 1
+        self._where: dict[int, ray.ObjectRef] = {}
+        self._names: dict[int, str] = {}
+        self._next_name = 0
+        self._of: dict[int, Any] = {}
+        self._group: dict[int, tuple[int, ...]] = {}
+
+    def spawn(self):
+        """A new worker actor (neither running nor pending until the caller files it)."""
+        name = f"w{self._next_name}"
+        w = self._actor_cls.remote(self._config, self._plan_ref, name,
+                                   prefault_bytes=self._prefault_bytes,
+                                   host_env={k: os.environ[k] for k in HOST_ENV
+                                             if k in os.environ})
+        self._names[id(w)] = name
+        self._next_name += 1
+        # Asked first, so it is answered before any chunk request queues behind it.
+        self._where[id(w)] = w.where.remote()
+        return w
+
+    def start(self, n: int) -> None:
+        """Starts ``n`` workers, those the cluster has no CPU for yet as pending, and places
+        the streams on those running."""
+        # Workers beyond the cluster's CPUs start as pending, like a resize's (a node may
+        # join; they take streams once they run): the streams open on the workers that can
+        # run instead of waiting for all of them. The cluster's total, not its free CPUs:
+        # those lag behind actors that were just killed.
+        start_now = min(n, max(1, int(ray.cluster_resources().get("CPU", 0))))
+        if start_now < n:
+            log.warning("workers=%d, but the Ray cluster has %d CPU(s) and each worker takes "
+                        "one: starting with %d, the other %d wait for a CPU (a node joining); "
+                        "lower workers, or add CPUs (`ray start --num-cpus`, more nodes)",
+                        n, start_now, start_now, n - start_now)
+        self.workers = [self.spawn() for _ in range(n)]
+        if start_now < n:
+            # Ray starts actors in no set order: the first to start take the streams.
+            refs = [self._where[id(w)] for w in self.workers]
+            ready, _ = ray.wait(refs, num_returns=start_now, timeout=self._timeout)
+            if not ready:
+                for w in self.workers:
+                    self.kill(w)
+                raise TimeoutError(f"none of {n} workers started within {self._timeout:.0f} s: "
+                                   f"check the cluster (`ray status`) and the worker logs")
+            self.pending = [w for w in self.workers if self._where[id(w)] not in ready]
+            self.workers = [w for w in self.workers if self._where[id(w)] in ready]
+        self._place(n)
+
+    def _place(self, n: int) -> None:
+        """Groups the streams for a pool of ``n`` workers and places the groups on the
+        workers running."""
+        config = self._config
+        g = config.streams_per_call_on(len(self._stream_ids), n)
+        self.streams_per_call = g
+        if g != config.streams_per_call:
+            log.info("streams_per_call=%d: this host's %d streams on %d workers (the config's "
+                     "%d counts num_streams=%d on workers=%d)", g, len(self._stream_ids), n,
+                     config.streams_per_call, config.num_streams, config.workers)
+        self._group = group_streams(self._stream_ids, g)
+        self._of = place_groups(self._stream_ids, g, self.workers)
+        uneven = uneven_share(self._of, len(self.workers))
+        if uneven:
+            pace, why = uneven
+            # A tenth of the workers' rate or more lost is worth a warning.
+            log.log(logging.WARNING if pace < 0.9 * len(self.workers) else logging.INFO,
+                    "%s", why)
+
+    def worker_of(self, s: int):
+        """The worker actor stream ``s`` is placed on."""
+        return self._of[s]
+
+    def assign(self, s: int, w) -> None:
+        """Places stream ``s`` on worker ``w``."""
+        self._of[s] = w
+
+    def group_of(self, s: int) -> tuple[int, ...]:
+        """The streams one call may make chunks of with ``s`` (on one worker)."""
+        return self._group[s]
+
+    def streams_on(self, w) -> list[int]:
+        """The streams placed on worker ``w``."""
+        return [t for t, x in self._of.items() if x is w]
+
+    def load(self) -> dict[int, list[int]]:
+        """``id(worker)`` -> its streams, for every worker running."""
+        load: dict[int, list[int]] = {id(w): [] for w in self.workers}
+        for t, w in self._of.items():
+            load.setdefault(id(w), []).append(t)
+        return load
+
+    def location(self, w) -> ray.ObjectRef:
+        """``(process id, Ray node id)`` of worker ``w`` (a ref, asked when it started)."""
+        return self._where[id(w)]
+
+    def name_of(self, w) -> str:
+        return self._names.get(id(w), "?")
+
+    def kill(self, w) -> None:
+        """Ends worker ``w`` (one lost already included)."""
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # noqa: BLE001 -- a worker lost already is gone either way
+            pass
+
+    def close(self) -> None:
+        for w in self.workers + self.pending:
+            self.kill(w)
+        self.workers, self.pending = [], []
 
 
 def pool_size(config: Config, num_workers: int, streams: int) -> int:

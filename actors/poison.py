@@ -16,31 +16,61 @@ import ray
 
 from actors.calls import WORKER_LOST, get_within, raise_worker_error
 from actors.mailbox import Mailbox
+from actors.placement import Placement
+from ingest.chunk import StartAt
+from ingest.config import Config
+from ingest.plan import UnitPlan
 from ingest.stream import open_stream
 
-__all__ = ["PoisonLocator"]
+__all__ = ["PoisonLocator", "describe_position"]
 
 log = logging.getLogger("ingest.pool")
 
 
-class PoisonLocator:
-    """The poison-document side of ``actors.pool.WorkerPool`` (mixed into it).
+def describe_position(config: Config, plan: UnitPlan, s: int, at: StartAt) -> str:
+    """The file and row of stream ``s`` at ``at`` (state, rows to skip), for error messages."""
+    state, skip = at
+    stream = open_stream(config, plan, s)
+    if state is not None:
+        stream.set_state(state)
+    where = stream.describe_head()
+    return where + (f", {skip} rows further" if skip else "")
 
-    Reads the pool's ``_config``, ``_plan``, ``_timeout``, ``max_failures`` and ``_spawn``;
-    changes ``_resume``, ``_failures`` and ``_names``; keeps the count ``poisoned``.
+
+class PoisonLocator:
+    """Locates the document that kills a stream's workers, on a disposable worker.
+
+    Args:
+      config: the validated config.
+      plan: the unit plan.
+      placement: where disposable workers are started from.
+      timeout_s: how long a traced chunk may take.
+
+    Attributes:
+      poisoned: documents located as killing workers and skipped.
     """
 
-    def _skip_poison(self, s: int) -> bool:
-        """Runs stream ``s``'s next chunk on a disposable worker that names each document
-        before tokenizing it. If that worker dies, the document it named is the poison: it is
-        added to the stream's resume state (skipped and counted as ``worker_crash``). Returns
-        False when the worker died without naming a document (the failures cannot be
-        located); True otherwise, and the failure count starts over."""
+    def __init__(self, config: Config, plan: UnitPlan, placement: Placement, *,
+                 timeout_s: float):
+        self._config = config
+        self._plan = plan
+        self._placement = placement
+        self._timeout = timeout_s
+        self.poisoned = 0
+
+    def locate(self, s: int, at: StartAt, failures: int) -> StartAt | None:
+        """Runs stream ``s``'s next chunk from ``at`` on a disposable worker that names each
+        document before tokenizing it. If that worker dies, the document it named is the
+        poison: returns ``at`` with it added to the state (skipped and counted as
+        ``worker_crash``). Returns ``at`` itself if the chunk came back (the ``failures`` were
+        not this stream's data), and None when the worker died without naming a document (the
+        failures cannot be located)."""
         mailbox = Mailbox.remote()
-        probe = self._spawn()
-        state, skip = self._resume[s]
+        probe = self._placement.spawn()
+        state, skip = at
         log.warning("stream %d failed %d times at %s: locating the document that kills its "
-                    "workers (on_bad_document: skip)", s, self.max_failures, self._where_is(s))
+                    "workers (on_bad_document: skip)", s, failures,
+                    describe_position(self._config, self._plan, s, at))
         try:
             raise_worker_error(get_within(probe.open.remote(s, state, skip), self._timeout,
                                           f"opening stream {s} to locate a poison document"))
@@ -49,31 +79,17 @@ class PoisonLocator:
         except WORKER_LOST:
             raw = get_within(mailbox.get.remote(), self._timeout, "the place a worker died at")
             if raw is None:
-                return False
+                return None
             where = json.loads(raw)
             stream = open_stream(self._config, self._plan, s)
             if state is not None:
                 stream.set_state(state)
             stream.add_poison(where)
-            self._resume[s] = (stream.get_state(), skip)
-            self._failures.pop(s, None)
             self.poisoned += 1
             log.warning("stream %d: skipping the document at %s that killed %d workers "
-                        "(counted as worker_crash)", s, where, self.max_failures + 1)
-            return True
+                        "(counted as worker_crash)", s, where, failures + 1)
+            return stream.get_state(), skip
         finally:
             ray.kill(mailbox, no_restart=True)
-            self._names.pop(id(probe), None)
-            ray.kill(probe, no_restart=True)
-        # The chunk came back: the failures were not this stream's data. Go on retrying.
-        self._failures.pop(s, None)
-        return True
-
-    def _where_is(self, s: int) -> str:
-        """The file and row at stream ``s``'s resume position, for error messages."""
-        state, skip = self._resume[s]
-        stream = open_stream(self._config, self._plan, s)
-        if state is not None:
-            stream.set_state(state)
-        where = stream.describe_head()
-        return where + (f", {skip} rows further" if skip else "")
+            self._placement.kill(probe)
+        return at

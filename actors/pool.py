@@ -5,47 +5,38 @@ The host holds the object refs, so it owns the chunks: a chunk already produced 
 worker. Requests per stream are bounded by ``prefetch``, so object-store memory is bounded by
 ``streams x prefetch x chunk bytes``.
 
-The pool's parts, each in its own module:
+``WorkerPool`` holds its parts and calls them; each part is a plain object in its own module:
 
-- ``actors.placement``: how many workers start, which worker runs which streams, and the
-  groups of streams one call serves (``streams_per_call``).
-- ``actors.in_flight``: the requests in flight per stream and the replies taken from them.
-- ``actors.recovery``: a dead worker replaced, its streams reopened where the host last
-  received them; a stream failing again and again at one place stops the run.
-- ``actors.orphans``: a replacement with no CPU to start on (a whole node lost) leaves its
-  streams to the workers still running until it starts; the pool waits for a CPU only when
-  none runs.
-- ``actors.poison``: with ``on_bad_document: skip``, the document that kills workers located
-  and skipped.
-- ``actors.resize``: the worker count changed while running, on request or by autoscale.
+- ``placement``: the workers (running and pending) and which runs which streams, grouped by
+  ``streams_per_call`` (``actors.placement.Placement``).
+- ``in_flight``: the requests in flight per stream and the replies taken from them
+  (``actors.in_flight.InFlightRequests``).
+- ``recovery``: where each stream reopens; a dead worker replaced and its streams reopened
+  where the host last received them, on the workers still running while its replacement
+  waits for a CPU (``actors.orphans``); a stream failing again and again at one place stops
+  the run (``actors.recovery.WorkerRecovery``).
+- ``poison``: with ``on_bad_document: skip``, the document that kills workers located and
+  skipped (``actors.poison.PoisonLocator``).
+- ``resizing``: the worker count changed while running, on request or by autoscale
+  (``actors.resize.PoolResizing``).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
 import time
-from typing import Any
 
 import ray
 
 from actors.calls import WORKER_LOST, get_within, raise_worker_error
-from actors.faults import WorkerFaults
 from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
-from actors.orphans import OrphanedStreams
-from actors.placement import (
-    group_streams,
-    idle_workers,
-    place_groups,
-    pool_size,
-    uneven_share,
-)
+from actors.placement import Placement, idle_workers, pool_size
 from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
 from actors.resize import PoolResizing
-from actors.worker import HOST_ENV, StreamWorker, WorkerError
+from actors.worker import StreamWorker, WorkerError
+from ingest.chunk import SourceStats, StartAt
 from ingest.config import Config
 from ingest.plan import UnitPlan
 from ingest.stream import Chunk
@@ -55,12 +46,13 @@ __all__ = ["WorkerPool"]
 log = logging.getLogger("ingest.pool")
 
 # The most of Ray's object store a worker prefaults as it starts (``prefault_object_store``):
-# mapping a page takes its process 1 - 2.4 us, so at most about half a second of a CPU.
+# mapping pages costs the worker's CPU, so a bound keeps it to a fraction of a second.
 PREFAULT_MAX_BYTES = 1 << 30
 
 
-class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocator, PoolResizing):
-    """Ray workers producing chunks for the streams ``stream_ids``.
+class WorkerPool:
+    """Ray workers producing chunks for the streams ``stream_ids`` (an
+    ``ingest.chunk.ChunkSource``).
 
     Args:
       config: the validated config (``chunk_rows`` and ``prefetch`` are read here).
@@ -69,215 +61,167 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
       num_workers: actors to start (one CPU each); at most one per stream is useful.
       get_timeout_s: how long one chunk may take before the wait fails with an error; while
         no worker can run (no CPU), how often a warning says so (that wait has no deadline).
+      worker_cls: the worker class, ``StreamWorker`` or a subclass of it (tests inject faults
+        this way).
+
+    Attributes:
+      placement, in_flight, recovery, poison, resizing: the parts (see the module).
+      bytes_bound: the object-store bytes the host may hold at most.
+      chunks_received: chunks handed out.
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
-                 num_workers: int, get_timeout_s: float = 300.0):
+                 num_workers: int, get_timeout_s: float = 300.0,
+                 worker_cls: type[StreamWorker] = StreamWorker):
         if num_workers <= 0:
             raise ValueError(f"workers={num_workers} must be positive")
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialized: call ray.init() (or use backend='local')")
         self._config = config
         self._stream_ids = list(stream_ids)
-        # Requests in flight per stream, lowered to fit object_store_budget_mb.
-        self._depth = config.requests_in_flight(len(self._stream_ids))
-        self.bytes_bound = len(self._stream_ids) * (self._depth + 1) * config.chunk_bytes
-        # Each worker maps this much of the store when it starts: the chunks land there.
-        self._prefault_bytes = (min(self.bytes_bound * 5 // 4, PREFAULT_MAX_BYTES)
-                                if config.prefault_object_store else 0)
-        self.bytes_peak = 0
-        self.metrics = HostMetrics()
-        self.rows_by_stream: dict[int, int] = {s: 0 for s in self._stream_ids}
-        self.rows_by_worker: dict[str, int] = {}
-        self._names: dict[int, str] = {}
-        self.started_at = time.perf_counter()
         self._timeout = get_timeout_s
-        self._plan = plan
-        self._plan_ref = ray.put(plan)
-        self._where: dict[int, ray.ObjectRef] = {}
-        self._next_name = 0
-        self.worker_faults = WorkerFaults()  # given to every worker started (actors.faults)
-        self.poisoned = 0  # documents located as killing workers and skipped
+        # Requests in flight per stream, lowered to fit object_store_budget_mb.
+        depth = config.requests_in_flight(len(self._stream_ids))
+        self.bytes_bound = len(self._stream_ids) * (depth + 1) * config.chunk_bytes
+        self._bytes_peak = 0
+        self._metrics = HostMetrics()
+        self._rows_by_stream: dict[int, int] = {s: 0 for s in self._stream_ids}
+        self._rows_by_worker: dict[str, int] = {}
+        self._started_at = time.perf_counter()
+        self._wait_s = 0.0
+        self.chunks_received = 0
         n = pool_size(config, num_workers, len(self._stream_ids))
         idle = None if config.autoscale else idle_workers(num_workers, len(self._stream_ids),
                                                           config.num_streams)
         if idle:
             log.warning("%s", idle)
-        self._start_workers(n)
-        self._place(n)
-        # The result of the last grouped call fetched, which the group's other streams take
-        # their chunks from next: (ref, chunks).
-        self._fetched: tuple[Any, list] | None = None
-        # Streams asked for alone until they deliver a chunk: those of a worker that died. A
-        # grouped call that kills its worker fails every stream of the group, and the failures
-        # must land on the stream whose document kills it (poison documents, _count_failure).
-        self._solo: set[int] = set()
-        self._queues: dict[int, collections.deque] = {s: collections.deque()
-                                                      for s in self._stream_ids}
-        self._exhausted: set[int] = set()
-        # Where to reopen each stream if its worker dies: (state, rows to skip).
-        self._resume: dict[int, tuple[dict[str, Any] | None, int]] = {}
-        self._failures: dict[int, tuple[Any, int]] = {}  # stream -> (position, count)
-        # Failures of one stream in a row with no chunk delivered between them: preemptions can
-        # come back to back, a poison document fails every time.
-        self.max_failures = 5
-        self._start_autoscale(config)
-        self.chunks_received = 0
-        self.requests = 0  # actor calls for chunks: one per chunk, or per group of them
-        self.restarts = 0
-        # Times every worker was lost and the streams waited for a CPU, and the seconds.
-        self.cpu_waits = 0
-        self.cpu_wait_s = 0.0
-        self.wait_s = 0.0
+        # Each worker maps this much of the store when it starts: the chunks land there.
+        prefault = (min(self.bytes_bound * 5 // 4, PREFAULT_MAX_BYTES)
+                    if config.prefault_object_store else 0)
+        self.placement = Placement(config, ray.put(plan), self._stream_ids,
+                                   worker_cls=worker_cls, prefault_bytes=prefault,
+                                   timeout_s=get_timeout_s)
+        self.placement.start(n)
+        self.in_flight = InFlightRequests(self.placement, self._stream_ids,
+                                          chunk_rows=config.chunk_rows, depth=depth,
+                                          timeout_s=get_timeout_s)
+        self.poison = PoisonLocator(config, plan, self.placement, timeout_s=get_timeout_s)
+        self.recovery = WorkerRecovery(config, plan, self.placement, self.in_flight,
+                                       self.poison, self._metrics, timeout_s=get_timeout_s)
+        self.resizing = PoolResizing(config, self.placement, self.recovery, self.in_flight,
+                                     len(self._stream_ids))
 
-    def _start_workers(self, n: int) -> None:
-        """Starts ``n`` workers; those the cluster has no CPU for yet wait as pending."""
-        # Workers take one CPU each. Those beyond the cluster's CPUs start as pending, like a
-        # resize's (a node may join; they take streams once they run): the streams open on
-        # the workers that can run instead of waiting for all of them. The cluster's total,
-        # not its free CPUs: those lag behind actors that were just killed.
-        start_now = min(n, max(1, int(ray.cluster_resources().get("CPU", 0))))
-        if start_now < n:
-            log.warning("workers=%d, but the Ray cluster has %d CPU(s) and each worker takes "
-                        "one: starting with %d, the other %d wait for a CPU (a node joining); "
-                        "lower workers, or add CPUs (`ray start --num-cpus`, more nodes)",
-                        n, start_now, start_now, n - start_now)
-        self._workers = [self._spawn() for _ in range(n)]
-        self._pending: list = []
-        if start_now < n:
-            # Ray starts actors in no set order: the first to start take the streams.
-            refs = [self._where[id(w)] for w in self._workers]
-            ready, _ = ray.wait(refs, num_returns=start_now, timeout=self._timeout)
-            if not ready:
-                for w in self._workers:
-                    ray.kill(w, no_restart=True)
-                raise TimeoutError(f"none of {n} workers started within {self._timeout:.0f} s: "
-                                   f"check the cluster (`ray status`) and the worker logs")
-            self._pending = [w for w in self._workers if self._where[id(w)] not in ready]
-            self._workers = [w for w in self._workers if self._where[id(w)] in ready]
+    # -- the ChunkSource contract ---------------------------------------------------------
 
-    def _place(self, n: int) -> None:
-        """Groups the streams for a pool of ``n`` workers and places the groups on the
-        workers running (``actors.placement``)."""
-        config = self._config
-        g = config.streams_per_call_on(len(self._stream_ids), n)
-        self.streams_per_call = g  # reported: one call makes the chunks of this many streams
-        if g != config.streams_per_call:
-            log.info("streams_per_call=%d: this host's %d streams on %d workers (the config's "
-                     "%d counts num_streams=%d on workers=%d)", g, len(self._stream_ids), n,
-                     config.streams_per_call, config.num_streams, config.workers)
-        self._group = group_streams(self._stream_ids, g)
-        self._placement = place_groups(self._stream_ids, g, self._workers)
-        uneven = uneven_share(self._placement, len(self._workers))
-        if uneven:
-            pace, why = uneven
-            # A tenth of the workers' rate or more lost is worth a warning.
-            log.log(logging.WARNING if pace < 0.9 * len(self._workers) else logging.INFO,
-                    "%s", why)
-
-    @property
-    def num_workers(self) -> int:
-        return len(self._workers)
-
-    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
-        """Opens every stream at ``(state, rows to skip)`` (None state: the beginning)."""
-        self._resume.update(states)
-        refs = [self._placement[s].open.remote(s, st, skip) for s, (st, skip) in states.items()]
-        for out in get_within(refs, self._timeout, "opening streams"):
+    def open(self, states: dict[int, StartAt]) -> None:
+        """Opens every stream at ``(state, rows to skip)`` (None state: the beginning). A
+        worker lost meanwhile is replaced, and its streams reopened on the new one."""
+        self.recovery.start_at(states)
+        asked = {s: self.placement.worker_of(s) for s in states}
+        refs = {s: w.open.remote(s, *states[s]) for s, w in asked.items()}
+        for s, ref in refs.items():
+            try:
+                out = get_within(ref, self._timeout, f"opening stream {s}")
+            except WORKER_LOST as e:
+                self.recovery.replace(asked[s], s, e)
+                continue
             raise_worker_error(out)
         # Every stream's first request before any second one: workers serve requests in order,
         # and the first step needs a chunk of every stream. (A first chunk of one step's rows
-        # was tried: the first batch came no sooner beyond the noise, and the consumer then
-        # stalled on every stream's next full chunk: 12-20% stall against 1-6%.)
-        for depth in range(1, self._depth + 1):
+        # was tried: the first batch came no sooner, and the consumer then stalled on every
+        # stream's next full chunk.)
+        for depth in range(1, self.in_flight.depth + 1):
             for s in self._stream_ids:
-                self._fill(s, depth)
+                self.in_flight.fill(s, depth)
 
-    def reopen(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+    def reopen(self, states: dict[int, StartAt]) -> None:
         """Drops every request in flight and opens the streams again at ``states``, on the
         workers already running (``reset_after_epoch`` restarts a pass this way)."""
-        for q in self._queues.values():
-            q.clear()
-        self._fetched = None
-        self._exhausted.clear()
-        self._failures.clear()
+        self.in_flight.drop_all()
+        self.recovery.forget_failures()
         self.open(states)
 
-    def _spawn(self):
-        name = f"w{self._next_name}"
-        w = StreamWorker.remote(self._config, self._plan_ref, name,
-                                prefault_bytes=self._prefault_bytes,
-                                host_env={k: os.environ[k] for k in HOST_ENV if k in os.environ})
-        if self.worker_faults:
-            w.set_faults.remote(self.worker_faults)
-        self._names[id(w)] = name
-        self._next_name += 1
-        # Asked first, so it is answered before any chunk request queues behind it.
-        self._where[id(w)] = w.where.remote()
-        return w
+    def next_chunk(self, s: int) -> Chunk:
+        """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
+        self.resizing.before_chunk(self._wait_s)
+        out = self._receive(s)
+        raise_worker_error(out)
+        self.chunks_received += 1
+        self.recovery.received(s, out.state_after)
+        self.in_flight.delivered(s, out.exhausted)
+        self._count(s, out)
+        return out
+
+    def request_resize(self, n: int) -> None:
+        """Asks for ``n`` workers; applied at the next ``next_chunk``, so it is safe to call
+        from any thread."""
+        self.resizing.request(n)
+
+    def stats(self) -> SourceStats:
+        place = self.placement
+        return SourceStats(
+            num_workers=len(place.workers), num_pending=len(place.pending),
+            restarts=self.recovery.restarts, resizes=self.resizing.resizes,
+            poisoned=self.poison.poisoned, cpu_waits=self.recovery.cpu_waits,
+            cpu_wait_s=self.recovery.cpu_wait_s, bytes_bound=self.bytes_bound,
+            bytes_peak=self._bytes_peak, chunks_received=self.chunks_received,
+            requests=self.in_flight.requests, wait_s=self._wait_s,
+            rows_by_worker=dict(self._rows_by_worker),
+            rows_by_stream=dict(self._rows_by_stream), started_at=self._started_at)
+
+    def close(self) -> None:
+        self.placement.close()
+
+    # -- the workers ----------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.placement.workers)
+
+    @property
+    def num_pending(self) -> int:
+        """Workers asked for but not started yet (waiting for a CPU, e.g. on Ray's autoscaler)."""
+        return len(self.placement.pending)
 
     @property
     def workers(self) -> list:
         """The worker actors running now (not those still waiting for a CPU)."""
-        return list(self._workers)
+        return list(self.placement.workers)
 
     @property
     def pending_workers(self) -> list:
         """The worker actors started but still waiting for a CPU."""
-        return list(self._pending)
+        return list(self.placement.pending)
 
-    def worker_of(self, s: int):
-        """The worker actor stream ``s`` is placed on."""
-        return self._placement[s]
+    @property
+    def streams_per_call(self) -> int:
+        """The streams one call makes chunks of."""
+        return self.placement.streams_per_call
 
     def location(self, w) -> ray.ObjectRef:
         """``(process id, Ray node id)`` of worker ``w`` (a ref, asked when it started)."""
-        return self._where[id(w)]
+        return self.placement.location(w)
 
-    def next_chunk(self, s: int) -> Chunk:
-        """The stream's next chunk, in order; keeps ``prefetch`` requests in flight."""
-        if self._autoscale is not None:
-            self._autoscale_step()
-        if self._target_workers is not None:
-            self._apply_resize()
-        self._adopt_ready()
-        out = self._receive(s)
-        raise_worker_error(out)
-        q = self._queues[s]
-        self.chunks_received += 1
-        self._solo.discard(s)
-        self._resume[s] = (out.state_after, 0)
-        self._failures.pop(s, None)
-        if out.exhausted:
-            self._exhausted.add(s)
-            # Requests already queued behind the last chunk return empty chunks; drop them.
-            q.clear()
-        else:
-            self._fill(s)
-        self._count(s, out)
-        return out
+    # -- inside ---------------------------------------------------------------------------
 
-    def _receive(self, s: int) -> Any:
+    def _receive(self, s: int) -> Chunk | WorkerError:
         """The reply to stream ``s``'s oldest request: a chunk, or a WorkerError that no new
         worker mends (bad input). A lost worker is replaced and the request made again."""
         while True:
-            q = self._queues[s]
-            if not q:
-                self._fill(s, now=True)
-            entry = q.popleft()
+            w = self.placement.worker_of(s)
             t0 = time.perf_counter()
             try:
-                out = self._take(entry, s)
+                out = self.in_flight.next_reply(s)
             except WORKER_LOST as e:
-                self._replace(self._placement[s], s, e)
+                self.recovery.replace(w, s, e)
                 continue
             finally:
                 waited = time.perf_counter() - t0
-                self.wait_s += waited
+                self._wait_s += waited
                 if waited > 0:
-                    self.metrics.wait_s.inc(waited)
+                    self._metrics.wait_s.inc(waited)
             if isinstance(out, WorkerError) and out.retryable:
-                self._replace(self._placement[s], s, out)
+                self.recovery.replace(w, s, out)
                 continue
             return out
 
@@ -286,18 +230,14 @@ class WorkerPool(InFlightRequests, WorkerRecovery, OrphanedStreams, PoisonLocato
         and the metrics."""
         # An upper bound on what the host holds: every request queued, plus at most one chunk
         # per stream in its hands (the feed drops a chunk before asking for the next).
-        held = sum(len(q) for q in self._queues.values()) + len(self._stream_ids)
-        self.bytes_peak = max(self.bytes_peak, held * self._config.chunk_bytes)
-        name = self._names.get(id(self._placement[s]), "?")
-        self.rows_by_stream[s] += out.num_rows
-        self.rows_by_worker[name] = self.rows_by_worker.get(name, 0) + out.num_rows
+        held = self.in_flight.total() + len(self._stream_ids)
+        chunk_bytes = self._config.chunk_bytes
+        self._bytes_peak = max(self._bytes_peak, held * chunk_bytes)
+        name = self.placement.name_of(self.placement.worker_of(s))
+        self._rows_by_stream[s] += out.num_rows
+        self._rows_by_worker[name] = self._rows_by_worker.get(name, 0) + out.num_rows
         tags = {"stream": str(s)}
         if out.num_rows:  # Ray's counters refuse zero increments
-            self.metrics.rows.inc(out.num_rows, tags=tags)
-        self.metrics.queue_depth.set(len(self._queues[s]), tags=tags)
-        self.metrics.held_bytes.set(held * self._config.chunk_bytes)
-
-    def close(self) -> None:
-        for w in self._workers + self._pending:
-            ray.kill(w, no_restart=True)
-        self._workers, self._pending = [], []
+            self._metrics.rows.inc(out.num_rows, tags=tags)
+        self._metrics.queue_depth.set(self.in_flight.queued(s), tags=tags)
+        self._metrics.held_bytes.set(held * chunk_bytes)

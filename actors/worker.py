@@ -6,6 +6,7 @@ tokenizers run single-threaded and the process never touches an accelerator.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -14,7 +15,6 @@ from typing import Any
 
 import ray
 
-from actors.faults import WorkerFaults
 from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
@@ -23,12 +23,12 @@ from ingest.process import claim_cpu, one_cpu_producer, prefault_shared
 from ingest.stream import Chunk, Stream, open_stream
 from ingest.tokenize import load_tokenizer
 
-__all__ = ["HOST_ENV", "WORKER_ENV", "StreamWorker"]
+__all__ = ["HOST_ENV", "WORKER_ENV", "StreamWorker", "actor_class"]
 
 # JAX_PLATFORMS: workers must never grab an accelerator. The thread caps keep
 # tokenizers and numpy to the one CPU the actor reserves. Set in the actor's own process at
 # start, before anything reads them: the same effect as a runtime_env, without the fresh worker
-# processes a runtime_env forces (0.9 s against 0.3 s to start two actors, measured here).
+# processes a runtime_env forces (which start several times slower).
 WORKER_ENV = {
     "JAX_PLATFORMS": "cpu",
     "TOKENIZERS_PARALLELISM": "false",
@@ -70,19 +70,29 @@ def _rebuild_worker_error(message, stream_id, worker, cause, retryable=False):
                        retryable=retryable)
 
 
-@ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)
+# Ray's options for every worker actor: one CPU, and no restart by Ray (the pool replaces a
+# dead worker itself, reopening its streams where the host last received them).
+WORKER_OPTIONS = {"num_cpus": 1, "max_restarts": 0, "max_task_retries": 0}
+
+
+@functools.cache
+def actor_class(cls: type[StreamWorker]):
+    """The Ray actor class of ``cls`` (``StreamWorker`` or a subclass of it), made once."""
+    return ray.remote(**WORKER_OPTIONS)(cls)
+
+
 class StreamWorker:
-    """Produces chunks for the streams opened on it."""
+    """Produces chunks for the streams opened on it; runs as a Ray actor (``actor_class``)."""
 
     def __init__(self, config: Config, plan: UnitPlan, name: str, *, prefault_bytes: int = 0,
                  host_env: dict[str, str] | None = None):
         os.environ.update(WORKER_ENV)
         os.environ.update({k: v for k, v in (host_env or {}).items() if k in HOST_ENV})
         one_cpu_producer()  # the actor reserves one CPU
-        self._cpu = claim_cpu() if config.pin_workers else None
+        if config.pin_workers:
+            claim_cpu()
         # The first pages of Ray's object store (``prefault_object_store``), where this worker's
         # chunks will be stored: on a thread of its own, so that the actor is ready at once.
-        self._prefaulted = 0
         self._prefault = threading.Thread(target=self._prefault_store, args=(prefault_bytes,),
                                           name="prefault", daemon=True)
         self._prefault.start()
@@ -90,26 +100,15 @@ class StreamWorker:
         self._plan = plan
         self._name = name
         self._streams: dict[int, Stream] = {}
-        self._faults = WorkerFaults()  # injected by actors.faults
         self._metrics: WorkerMetrics | None = None
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def cpu(self) -> int | None:
-        """The CPU this worker is bound to (``pin_workers``), or None."""
-        return self._cpu
-
-    def _prefault_store(self, nbytes: int) -> None:
-        self._prefaulted = prefault_shared("plasma", nbytes)
-
-    def prefaulted(self) -> int:
-        """Bytes of Ray's object store this worker mapped when it started (once done)."""
-        self._prefault.join()
-        return self._prefaulted
+    def _prefault_store(self, nbytes: int) -> int:
+        """Maps ``nbytes`` of the object store; returns the bytes mapped."""
+        return prefault_shared("plasma", nbytes)
 
     def where(self) -> tuple[int, str]:
-        """(process id, Ray node id): lets the host kill this process for fault injection."""
+        """(process id, Ray node id); the pool asks it first, so its answer says the worker
+        has started."""
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def open(self, stream_id: int, state: dict[str, Any] | None,
@@ -137,7 +136,6 @@ class StreamWorker:
             return WorkerError(f"stream {stream_id} is not open on worker {self._name}; this is "
                                f"a bug in actors.pool", stream_id=stream_id, worker=self._name,
                                cause=KeyError(stream_id))
-        self._faults.before_produce(s, stream_id, n_rows, self._name)
         t0 = time.perf_counter()
         out = self._call(stream_id, s.produce, n_rows)
         if isinstance(out, Chunk):
@@ -163,12 +161,7 @@ class StreamWorker:
             s.set_trace(None)
 
     def _tokenizer(self):
-        return self._faults.tokenizer(
-            load_tokenizer(self._config.tokenizer, self._config.tokenizer_backend))
-
-    def set_faults(self, faults: WorkerFaults) -> None:
-        """Takes the faults ``actors.faults`` injects (tests, demos); keeps earlier ones."""
-        self._faults.update(faults)
+        return load_tokenizer(self._config.tokenizer, self._config.tokenizer_backend)
 
     def _call(self, stream_id: int, fn, *args):
         try:

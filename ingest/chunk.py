@@ -4,14 +4,15 @@
 the interface of the text stream (``ingest.text_stream.Stream``), the mixture
 (``ingest.mixture.MixedStream``) and the replay of a materialized corpus
 (``ingest.replay.ReplayStream``), with the checks they share; ``state_from_json`` reads the
-JSON state of any of them back.
+JSON state of any of them back. ``ChunkSource``: where a host's chunks come from (the Ray
+worker pool, the in-process source, the warm start), with its counters ``SourceStats``.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from ingest.config import Config
 from ingest.shift import fields_of
 from ingest.units import UnitPlan
 
-__all__ = ["Chunk", "ChunkStream", "state_from_json"]
+__all__ = ["Chunk", "ChunkSource", "ChunkStream", "SourceStats", "StartAt", "state_from_json"]
 
 State = TypeVar("State")
 
@@ -59,6 +60,76 @@ class Chunk:
         """The rows as int32 ``[6, num_rows, seq_len]``, fields in ``FIELDS`` order (a new
         array)."""
         return fields_of(self.tokens, self.layout)
+
+
+# Where a stream starts: (its state, None for its beginning; rows to skip past that state).
+StartAt = tuple[dict[str, Any] | None, int]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceStats:
+    """A chunk source's counters at one moment.
+
+    Attributes:
+      num_workers: Ray workers running (0 in this process alone).
+      num_pending: Ray workers started but waiting for a CPU.
+      restarts: workers replaced after they died.
+      resizes: changes of the worker count applied (on request or by autoscale).
+      poisoned: documents located as killing workers and skipped.
+      cpu_waits: times every worker was lost and the streams waited for a CPU.
+      cpu_wait_s: the seconds of those waits.
+      bytes_bound: the object-store bytes the host may hold at most.
+      bytes_peak: the most it held (an upper bound).
+      chunks_received: chunks handed out.
+      requests: actor calls for chunks (one per chunk, or per group of streams).
+      wait_s: seconds the caller waited for chunks.
+      host_rows: rows made in this process while Ray started (the warm start).
+      rows_by_worker: rows received, by worker name.
+      rows_by_stream: rows received, by stream.
+      started_at: ``time.perf_counter()`` when the source started.
+    """
+
+    num_workers: int = 0
+    num_pending: int = 0
+    restarts: int = 0
+    resizes: int = 0
+    poisoned: int = 0
+    cpu_waits: int = 0
+    cpu_wait_s: float = 0.0
+    bytes_bound: int = 0
+    bytes_peak: int = 0
+    chunks_received: int = 0
+    requests: int = 0
+    wait_s: float = 0.0
+    host_rows: int = 0
+    rows_by_worker: dict[str, int] = dataclasses.field(default_factory=dict)
+    rows_by_stream: dict[int, int] = dataclasses.field(default_factory=dict)
+    started_at: float = 0.0
+
+
+class ChunkSource(Protocol):
+    """Where the chunks of a host's streams come from: ``actors.pool.WorkerPool`` (Ray),
+    ``jax_side.local_source.LocalSource`` (this process) and
+    ``jax_side.warm_start.WarmStartSource`` (this process until Ray's pool runs)."""
+
+    def open(self, states: dict[int, StartAt]) -> None:
+        """Starts each stream at its saved state (None: its beginning), skipping the rows."""
+
+    def next_chunk(self, s: int) -> Chunk:
+        """The next chunk of stream ``s``, in order."""
+
+    def reopen(self, states: dict[int, StartAt]) -> None:
+        """Drops what was made ahead and starts the streams again at ``states`` (a pass
+        restarted by ``reset_after_epoch``), keeping the workers."""
+
+    def request_resize(self, n: int) -> None:
+        """Asks for ``n`` workers, applied at a later ``next_chunk``; safe from any thread."""
+
+    def stats(self) -> SourceStats:
+        """The counters now."""
+
+    def close(self) -> None:
+        """Stops producing and releases the workers."""
 
 
 class ChunkStream(abc.ABC):

@@ -1,7 +1,7 @@
 """Chunk intake: the chunks of a host's owned streams and where the host is in each stream.
 
-A chunk source (Ray's ``actors.pool.WorkerPool``, or ``LocalSource`` in this process) gives
-the next chunk of a stream on request. ``ChunkIntake`` keeps one ``StreamCursor`` per owned
+A chunk source (``ingest.chunk.ChunkSource``: Ray's ``actors.pool.WorkerPool``, the warm
+start, or ``LocalSource`` in this process) gives the next chunk of a stream on request. ``ChunkIntake`` keeps one ``StreamCursor`` per owned
 stream and copies rows from the current chunks into a batch; a stream's state is saved at chunk
 ends, so a cursor is that state plus the rows taken past it::
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from ingest.chunk import ChunkSource
 from ingest.config import Config
 from ingest.plan import UnitPlan
 from ingest.shift import FIELDS, RowPieces, batch_groups
@@ -25,19 +26,6 @@ from jax_side.feed_stats import PoolStats
 from jax_side.local_source import LocalSource
 
 __all__ = ["ChunkIntake", "ChunkSource", "LocalSource", "StreamCursor"]
-
-
-class ChunkSource(Protocol):
-    """Where the chunks of a host's streams come from."""
-
-    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
-        """Starts each stream at its saved state (None: its beginning), skipping the rows."""
-
-    def next_chunk(self, s: int) -> Chunk:
-        """The next chunk of stream ``s``."""
-
-    def close(self) -> None:
-        """Stops producing."""
 
 
 @dataclasses.dataclass
@@ -99,7 +87,7 @@ class ChunkIntake:
     Attributes:
       cursors: each owned stream's ``StreamCursor``.
       source: the running chunk source; None before ``open`` and after ``close``.
-      pool_stats: the pool's counters, kept over ``close``.
+      pool_stats: the source's counters, kept over ``close``.
     """
 
     def __init__(self, config: Config, plan: UnitPlan, streams: tuple[int, ...], *,
@@ -123,7 +111,7 @@ class ChunkIntake:
             return
         ids = list(self.streams)
         if self.backend == "local":
-            src = LocalSource(self.config, self.plan, ids)
+            src: ChunkSource = LocalSource(self.config, self.plan, ids)
         else:
             from jax_side.ray_cluster import import_ray  # noqa: PLC0415
 
@@ -153,13 +141,11 @@ class ChunkIntake:
                                            documents=st.get("documents"))
 
     def rewind(self) -> None:
-        """Back to every stream's beginning; a Ray pool's workers start the pass again (no new
-        actors per pass), another source is closed."""
+        """Back to every stream's beginning; the source starts the pass again (a Ray pool on
+        the workers it has: no new actors per pass)."""
         self.cursors = {s: StreamCursor() for s in self.streams}
-        if self.source is not None and hasattr(self.source, "reopen"):
+        if self.source is not None:
             self.source.reopen({s: (None, 0) for s in self.streams})
-        else:
-            self.close()
 
     def resize(self, workers: int) -> None:
         """Asks for ``workers`` Ray workers (at the next chunk request once running)."""

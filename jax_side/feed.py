@@ -57,7 +57,7 @@ __all__ = ["HostFeed", "IteratorLength", "LocalSource", "steady_window_start", "
 log = logging.getLogger(__name__)
 
 
-class HostFeed(FeedCounters):
+class HostFeed:
     """Iterates global batches: ``dict[field, jax.Array]`` of shape ``[B, seq_len]`` each.
 
     Args:
@@ -87,7 +87,8 @@ class HostFeed(FeedCounters):
     same sharding. With ``drop_remainder`` the feed ends before the first step with a padding
     row anywhere. With ``reset_after_epoch`` iterating it again restarts it (see ``__iter__``).
     ``dataset_size`` and ``iterator_length`` say how long an epoch and the run are; the
-    consumer's counters (``steps``, ``tokens``, ``wait_s``, ...) are ``FeedCounters``'s.
+    consumer's counters (``steps``, ``tokens``, ``wait_s``, ...) are in ``counters``, a
+    ``FeedCounters``.
     """
 
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
@@ -100,7 +101,7 @@ class HostFeed(FeedCounters):
         if not isinstance(sharding, NamedSharding):
             raise TypeError(f"sharding must be a jax.sharding.NamedSharding, got "
                             f"{type(sharding).__name__}")
-        super().__init__()
+        self.counters = FeedCounters()
         self.config = config
         self.sharding = sharding
         self.backend = backend
@@ -249,7 +250,7 @@ class HostFeed(FeedCounters):
         self._step = 0
         self._end = EndOfData(self.config, self._agreement_timeout)
         self._state = self._snapshot()
-        self.passes += 1
+        self.counters.passes += 1
 
     def __next__(self) -> dict[str, jax.Array]:
         if self._done:
@@ -261,11 +262,11 @@ class HostFeed(FeedCounters):
         if (isinstance(item, AssembledStep)
                 and not self._end.goes_ahead(item.state["step"], item.padding_rows)):
             # Rows only with drop_remainder: without it every host's rows ran out.
-            self._count_dropped(item.rows - item.padding_rows, item.tokens)
+            self.counters.count_dropped(item.rows - item.padding_rows, item.tokens)
             item = END
         now = time.perf_counter()
         waited = now - t0
-        self._count_wait(waited)
+        self.counters.count_wait(waited)
         if item is END:
             self._done = self._pass_started = True
             self._end_step = self._state["step"]
@@ -274,7 +275,7 @@ class HostFeed(FeedCounters):
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        self._count_batch(now, waited, item.tokens, item.padding_rows, item.padding_tokens)
+        self.counters.count_batch(now, waited, item.tokens, item.padding_rows, item.padding_tokens)
         self._pass_started = True
         self._state = item.state
         return item.arrays()
@@ -291,11 +292,11 @@ class HostFeed(FeedCounters):
             return
         for item in self._prefetch.drain():
             if isinstance(item, AssembledStep):
-                self._count_dropped(item.rows - item.padding_rows, item.tokens)
+                self.counters.count_dropped(item.rows - item.padding_rows, item.tokens)
         if self.config.drop_remainder and self._intake.source is not None:
             try:
                 for rows, tokens in self._intake.read_to_end():
-                    self._count_dropped(rows, tokens)
+                    self.counters.count_dropped(rows, tokens)
             except Exception as e:  # noqa: BLE001 -- the delivered batches stand; say so
                 log.warning("drop_remainder: could not read the streams to their end to count "
                             "the rows not delivered (%s); dropped_rows and dropped_tokens are "
@@ -342,11 +343,11 @@ class HostFeed(FeedCounters):
                    else self._state["streams"])
         intake = self._intake
         return {
-            **self._volume_stats(),
+            **self.counters.volume_stats(),
             "dataset_size": self.dataset_size,
             "iterator_length": self.iterator_length.to_json(),
-            "passes": self.passes,
-            **self._timing_stats(),
+            "passes": self.counters.passes,
+            **self.counters.timing_stats(),
             **intake.pool_stats.summary(intake.source, backend=self.backend,
                                         workers=intake.workers, streams=len(self._rows.streams)),
             "streams": len(self._rows.streams),

@@ -1,9 +1,9 @@
-"""The feed's statistics: the consumer's counters, the worker pool's, and the streams'.
+"""The feed's statistics: the consumer's counters, the chunk source's, and the streams'.
 
 ``HostFeed.stats()`` joins three kinds: what the consumer received and how long it waited
-(``FeedCounters``), what the Ray pool did (``PoolStats``, kept when the pool closes), and the
-counters the streams carry in their states (``stream_counters``: documents, skips,
-truncations, a mixture's tokens per source).
+(``FeedCounters``), what the chunk source did (its ``SourceStats``, kept by ``PoolStats`` when
+it closes), and the counters the streams carry in their states (``stream_counters``:
+documents, skips, truncations, a mixture's tokens per source).
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from ingest.chunk import ChunkSource, SourceStats
 from ingest.plan import UnitPlan
+from ingest.replay import MaterializedPlan
 
 __all__ = ["FeedCounters", "PoolStats", "steady_window_start", "stream_counters"]
-
-_POOL_STATS = ("restarts", "cpu_waits", "cpu_wait_s", "bytes_bound", "bytes_peak", "num_pending",
-               "num_workers", "host_rows")
-_POOL_RATES = ("rows_by_worker", "rows_by_stream")
 
 
 def steady_window_start(steps: int) -> int | None:
@@ -31,7 +29,7 @@ def steady_window_start(steps: int) -> int | None:
 
 
 class FeedCounters:
-    """Consumer-side counters of a feed, over every pass.
+    """Consumer-side counters of a feed, over every pass (``HostFeed.counters``).
 
     Attributes:
       steps: batches delivered.
@@ -65,11 +63,11 @@ class FeedCounters:
         # the steady rate is taken over the later part of the run from these.
         self._marks: dict[int, tuple[float, int, float]] = {}
 
-    def _count_wait(self, waited: float) -> None:
+    def count_wait(self, waited: float) -> None:
         self.wait_s += waited
         self.wait_max_s = max(self.wait_max_s, waited)
 
-    def _count_batch(self, now: float, waited: float, tokens: int, padding_rows: int,
+    def count_batch(self, now: float, waited: float, tokens: int, padding_rows: int,
                      padding_tokens: int) -> None:
         """Counts a batch delivered at ``now`` after a wait of ``waited`` seconds."""
         if self.first_batch_time is None:
@@ -84,11 +82,11 @@ class FeedCounters:
         self.padding_rows += padding_rows
         self.padding_tokens += padding_tokens
 
-    def _count_dropped(self, rows: int, tokens: int) -> None:
+    def count_dropped(self, rows: int, tokens: int) -> None:
         self.dropped_rows += rows
         self.dropped_tokens += tokens
 
-    def _volume_stats(self) -> dict[str, Any]:
+    def volume_stats(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
             "tokens": self.tokens,
@@ -98,7 +96,7 @@ class FeedCounters:
             "dropped_tokens": self.dropped_tokens,
         }
 
-    def _timing_stats(self) -> dict[str, Any]:
+    def timing_stats(self) -> dict[str, Any]:
         span = ((self.last_batch_time or 0) - (self.first_batch_time or 0))
         return {
             "wait_s": self.wait_s,
@@ -127,58 +125,57 @@ class FeedCounters:
 
 
 class PoolStats:
-    """The Ray worker pool's counters for ``stats()``: read from the running pool, kept once
+    """The chunk source's counters for ``stats()``: read from the running source, kept once
     it closes (a pass restarted, or the feed closed)."""
 
     def __init__(self):
-        self._closed: dict[str, Any] = {}
+        self._closed: SourceStats | None = None
+        self._closed_at = 0.0
 
-    def keep(self, source: Any) -> None:
+    def keep(self, source: ChunkSource) -> None:
         """Keeps the counters of ``source``, which is about to close."""
-        self._closed = {k: self._stat(source, k) for k in _POOL_STATS}
-        self._closed.update({k: self._rates(source, k) for k in _POOL_RATES})
+        self._closed, self._closed_at = source.stats(), time.perf_counter()
 
-    def _stat(self, source: Any, name: str) -> Any:
+    def _now(self, source: ChunkSource | None) -> tuple[SourceStats, float]:
+        """The counters of ``source`` (None: those kept, or none yet) and when they hold."""
         if source is not None:
-            return getattr(source, name, 0)
-        return self._closed.get(name, 0)
+            return source.stats(), time.perf_counter()
+        return self._closed or SourceStats(), self._closed_at
 
-    def _rates(self, source: Any, name: str) -> dict[str, float]:
-        """Rows per second since the pool started, keyed by worker or stream (ray backend)."""
-        if source is None:
-            return self._closed.get(name, {})
-        counts = getattr(source, name, None)
+    @staticmethod
+    def _rates(counts: dict[Any, int], started_at: float, now: float) -> dict[str, float]:
+        """Rows per second since the source started, keyed by worker or stream."""
         if not counts:
             return {}
-        span = max(1e-9, time.perf_counter() - source.started_at)
+        span = max(1e-9, now - started_at)
         return {str(k): round(v / span, 1) for k, v in counts.items()}
 
-    def _live_workers(self, source: Any, backend: str, workers: int, streams: int) -> int:
-        """Ray workers of the pool, started or pending (autoscale and ``resize`` change it);
-        before the pool starts, the workers it will start (at most one per owned stream)."""
+    def summary(self, source: ChunkSource | None, *, backend: str, workers: int,
+                streams: int) -> dict[str, Any]:
+        """The source's entries of ``stats()``; ``source``: the running chunk source, or None."""
+        st, now = self._now(source)
         if backend != "ray":
-            return 0
-        if source is None and "num_workers" not in self._closed:
-            return min(workers, streams)
-        return int(self._stat(source, "num_workers")) + int(self._stat(source, "num_pending"))
-
-    def summary(self, source: Any, *, backend: str, workers: int, streams: int) -> dict[str, Any]:
-        """The pool's entries of ``stats()``; ``source``: the running chunk source, or None."""
+            live = 0
+        elif source is None and self._closed is None:
+            live = min(workers, streams)  # before the pool starts: those it will start
+        else:
+            live = st.num_workers + st.num_pending
         return {
-            "workers": self._live_workers(source, backend, workers, streams),
+            # Ray workers, started or pending (autoscale and ``resize`` change it).
+            "workers": live,
             # Of those, workers not started yet: the cluster has no CPU for them (yet).
-            "pending_workers": self._stat(source, "num_pending") if backend == "ray" else 0,
+            "pending_workers": st.num_pending if backend == "ray" else 0,
             "backend": backend,
-            "restarts": self._stat(source, "restarts"),
+            "restarts": st.restarts,
             # Times every worker was lost and the streams waited for a CPU, and how long.
-            "cpu_waits": self._stat(source, "cpu_waits"),
-            "cpu_wait_s": self._stat(source, "cpu_wait_s"),
-            "object_store_bytes_bound": self._stat(source, "bytes_bound"),
-            "object_store_bytes_peak": self._stat(source, "bytes_peak"),
-            "rows_per_s_by_worker": self._rates(source, "rows_by_worker"),
-            "rows_per_s_by_stream": self._rates(source, "rows_by_stream"),
+            "cpu_waits": st.cpu_waits,
+            "cpu_wait_s": st.cpu_wait_s,
+            "object_store_bytes_bound": st.bytes_bound,
+            "object_store_bytes_peak": st.bytes_peak,
+            "rows_per_s_by_worker": self._rates(st.rows_by_worker, st.started_at, now),
+            "rows_per_s_by_stream": self._rates(st.rows_by_stream, st.started_at, now),
             # Rows this process made itself while Ray started (jax_side.warm_start).
-            "warm_start_rows": self._stat(source, "host_rows"),
+            "warm_start_rows": st.host_rows,
         }
 
 
@@ -205,7 +202,7 @@ def stream_counters(entries: dict[str, Any], plan: UnitPlan, num_sources: int) -
     return {
         "documents": documents,
         # A materialized source replays rows: its streams count no documents.
-        "documents_counted": not hasattr(plan, "stream_units"),
+        "documents_counted": not isinstance(plan, MaterializedPlan),
         "skipped_documents": skipped,
         "skipped_rows_of_bad_files": skipped_units,
         "skipped_files": [p for p, _, _ in plan.skipped_files],

@@ -190,7 +190,7 @@ def _feed_loop(args, feed, manager, digest: BatchDigest | None, start_step: int
     if args.kill_worker_every:
         from actors.faults import WorkerKiller  # noqa: PLC0415 (imports Ray)
 
-        killer = WorkerKiller(feed, args.kill_worker_every)
+        killer = WorkerKiller(args.kill_worker_every)
     try:
         done = args.steps is not None and step >= args.steps
         for batch in () if done else feed:
@@ -238,8 +238,9 @@ def _advance(bar, feed, step: int) -> None:
     """One step on the progress bar; the rate every 10 steps."""
     bar.update(1)
     if step % 10 == 0:
-        span = time.perf_counter() - (feed.first_batch_time or time.perf_counter())
-        bar.set_postfix_str(f"{feed.tokens / max(1e-9, span):,.0f} tok/s", refresh=False)
+        span = time.perf_counter() - (feed.counters.first_batch_time or time.perf_counter())
+        bar.set_postfix_str(f"{feed.counters.tokens / max(1e-9, span):,.0f} tok/s",
+                            refresh=False)
 
 
 def prepare_environment(args) -> None:

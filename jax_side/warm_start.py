@@ -6,8 +6,8 @@ A local Ray cluster takes seconds to start, and its workers about one more. Unti
 keeps one chunk of every stream ready ahead of the caller: the first of one step's rows, at
 normal priority (the first batch, which the caller waits for), then each twice the last, up to
 about 128k tokens, at low CPU priority (Linux), taking the CPU that Ray's start leaves idle, not
-Ray's. A chunk costs a fixed part on top of its rows: on the demo, one core made 7,800 - 8,000
-rows a second in chunks of 2 rows and 14,700 in chunks of 128. Once the workers answer, it notes
+Ray's. A chunk costs a fixed part on top of its rows, so later chunks grow. Once the workers
+answer, it notes
 where each stream is after the chunks made, ``(state, rows to skip)``, and opens the pool there;
 the caller takes the chunks made first, while the pool makes its own, and a chunk still being
 made is dropped. A stream's rows depend only on its state, never on who makes them or in what
@@ -22,6 +22,7 @@ Errors of Ray's start or of the pool's are raised by the next chunk request.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import sys
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ingest.chunk import ChunkSource, SourceStats, StartAt
 from ingest.config import CHUNK_TOKENS, Config
 from ingest.plan import UnitPlan
 from ingest.stream import Chunk
@@ -55,14 +57,16 @@ def _lower_priority() -> None:
 
 
 class WarmStartSource:
-    """A chunk source that is ``LocalSource`` until Ray's worker pool runs, then the pool.
+    """A chunk source (``ingest.chunk.ChunkSource``) that is ``LocalSource`` until Ray's
+    worker pool runs, then the pool.
 
     Args:
       config: the validated config.
       plan: the unit plan.
       stream_ids: the streams this host owns.
       await_ray: returns once Ray is up; raises what starting it raised.
-      make_pool: builds the ``WorkerPool`` (called once Ray is up) for a number of workers.
+      make_pool: builds the ``WorkerPool`` (called once Ray is up) for a number of workers;
+        it must have ``workers`` and ``location(worker)`` besides the ``ChunkSource`` methods.
       workers: Ray workers wanted (``request_resize`` before the pool runs changes it).
       step_rows: rows of the host's first chunk of each stream (a stream's rows of one step);
         each next one has twice the last, up to ``CHUNK_TOKENS // seq_len`` rows.
@@ -70,13 +74,11 @@ class WarmStartSource:
 
     Attributes:
       host_rows: rows the host made (and handed out or holds).
-
-    Once the pool runs, its attributes (``restarts``, ``workers``, ...) read through this
-    object; before, they are missing.
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_ids: list[int], *,
-                 await_ray: Callable[[], None], make_pool: Callable[[int], Any], workers: int,
+                 await_ray: Callable[[], None], make_pool: Callable[[int], ChunkSource],
+                 workers: int,
                  step_rows: int, get_timeout_s: float):
         self._new_local = lambda: LocalSource(config, plan, stream_ids)
         self._step_rows = max(1, step_rows)
@@ -97,11 +99,12 @@ class WarmStartSource:
         self._ended: set[int] = set()  # streams whose last chunk the host made
         self._wanted: int | None = None  # the stream the caller waits for
         # Where each stream is: (state, rows to skip) after the host's last chunk of it.
-        self._at: dict[int, tuple[dict[str, Any] | None, int]] = {}
+        self._at: dict[int, StartAt] = {}
         self._lowered = False  # the maker runs at HOST_NICE (every stream has had a chunk)
         self._handing_off = False  # _at is read: the next chunks past _ready are the pool's
         self._opened = threading.Event()  # the pool is open at _at (or failed: _error)
-        self._pool: Any = None  # the pool, once open
+        self._pool: Any = None  # the pool (a ChunkSource), once open
+        self._started_at = time.perf_counter()
         self._error: BaseException | None = None
         self._closed = False
         self._waiting_for_ray = True  # the thread has not yet gone past _await_ray
@@ -110,13 +113,13 @@ class WarmStartSource:
                                        daemon=True)
         self._thread = threading.Thread(target=self._start_pool, name="WarmStart", daemon=True)
 
-    def open(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+    def open(self, states: dict[int, StartAt]) -> None:
         with self._cv:
             self._open_local(states)
         self._maker.start()
         self._thread.start()
 
-    def _open_local(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+    def _open_local(self, states: dict[int, StartAt]) -> None:
         """A fresh ``LocalSource`` at ``states`` (under ``_cv``)."""
         if self._local is not None:
             self._local.close()
@@ -253,12 +256,13 @@ class WarmStartSource:
                 pool.close()
             self._opened.set()
 
-    @property
-    def num_workers(self) -> int:
-        """The pool's workers; before it runs, those it will start."""
+    def stats(self) -> SourceStats:
+        """The pool's counters once it runs; before, the workers it will start. Both with the
+        rows this process made."""
         if self._pool is not None:
-            return self._pool.num_workers
-        return min(self._workers, len(self._streams))
+            return dataclasses.replace(self._pool.stats(), host_rows=self.host_rows)
+        return SourceStats(num_workers=min(self._workers, len(self._streams)),
+                           host_rows=self.host_rows, started_at=self._started_at)
 
     def request_resize(self, n: int) -> None:
         if self._pool is not None:
@@ -266,7 +270,7 @@ class WarmStartSource:
         else:
             self._workers = n
 
-    def reopen(self, states: dict[int, tuple[dict[str, Any] | None, int]]) -> None:
+    def reopen(self, states: dict[int, StartAt]) -> None:
         """Back to ``states`` on every stream (``reset_after_epoch``): on the pool once it
         runs, else on the host."""
         with self._cv:
@@ -302,10 +306,3 @@ class WarmStartSource:
             self._thread.join(self._timeout)
         if self._pool is not None:
             self._pool.close()
-
-    def __getattr__(self, name: str) -> Any:
-        # Only for attributes this class lacks: the pool's, once it runs.
-        pool = self.__dict__.get("_pool")
-        if pool is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(pool, name)

@@ -370,3 +370,122 @@ def assert_resumes_identically_in_chain(make_iterator: Callable[[], Any],
         f"resumed at steps {list(resume_at)}: {len(got)} outputs, the unbroken run had "
         f"{len(reference)}")
     return reference
+
+
+# -- Workers that break on purpose (a pool's ``worker_cls``): the product worker has no fault
+# hooks. Each factory makes a class of its own, which Ray ships to its workers by value.
+
+def _first_time(flag: str | None) -> bool:
+    """True the first time any process asks with ``flag`` (a file path), then never; always
+    True without one."""
+    import os
+
+    if flag is None:
+        return True
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def dying_worker(method: str, flag: str | None, *, name: str | None = None):
+    """A worker class whose process SIGKILLs itself on entering ``method`` (``__init__``,
+    ``open``, ``produce``, ...), once across all its workers (``flag``: a file path); with
+    ``name``, only the worker of that name (``w0``, ``w1``, ... in the order started)."""
+    import os
+    import signal
+
+    from actors.worker import StreamWorker
+
+    def die_here(self):
+        if (name is None or self._name == name) and _first_time(flag):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    class DyingWorker(StreamWorker):
+        def __init__(self, config, plan, worker_name, **kw):
+            super().__init__(config, plan, worker_name, **kw)
+            if method == "__init__":
+                die_here(self)
+
+    def wrap(fn):
+        def dying(self, *args, **kw):
+            die_here(self)
+            return fn(self, *args, **kw)
+        return dying
+
+    if method != "__init__":
+        setattr(DyingWorker, method, wrap(getattr(StreamWorker, method)))
+    return DyingWorker
+
+
+def failing_worker(stream_id: int, at_row: int, flag: str | None = None):
+    """A worker class whose produce call of stream ``stream_id`` that would emit row ``at_row``
+    fails partway through its chunk with a RuntimeError: once across all its workers
+    (``flag``: a file path), or every time (None)."""
+    from actors.worker import StreamWorker
+
+    class FailingWorker(StreamWorker):
+        def produce(self, s, n_rows):
+            stream = self._streams.get(s)
+            if s == stream_id and stream is not None:
+                done = stream.get_state()["rows_emitted"]
+                if done < at_row <= done + n_rows and _first_time(flag):
+                    if at_row - done > 1:
+                        stream.produce(at_row - done - 1)
+                    raise RuntimeError(f"injected error in stream {s} at row {at_row}")
+            return super().produce(s, n_rows)
+
+    return FailingWorker
+
+
+def poisoned_worker(marker: str):
+    """A worker class whose process dies (``os._exit``, as a crashing native library does)
+    when it tokenizes a document containing ``marker``."""
+    import os
+
+    from actors.worker import StreamWorker
+
+    class PoisonedTokenizer:
+        def __init__(self, tokenizer):
+            self._tok = tokenizer
+            self.name, self.eos_id, self.vocab_size = (tokenizer.name, tokenizer.eos_id,
+                                                       tokenizer.vocab_size)
+
+        def encode_batch(self, texts):
+            self._check(texts)
+            return self._tok.encode_batch(texts)
+
+        def encode_docs(self, texts):
+            self._check(texts)
+            return self._tok.encode_docs(texts)
+
+        def _check(self, texts):
+            if any(marker in t for t in texts):
+                os._exit(70)
+
+    class PoisonedWorker(StreamWorker):
+        def _tokenizer(self):
+            return PoisonedTokenizer(super()._tokenizer())
+
+    return PoisonedWorker
+
+
+def read_streams(source, streams: Sequence[int], *, before_chunk=None,
+                 max_chunks: int = 100_000) -> dict[int, np.ndarray]:
+    """Every stream of a chunk source to its end, a chunk of each in turn (as a feed takes
+    them): ``{stream: fields [6, rows, seq_len]}``. ``before_chunk(i)`` runs before the i-th."""
+    parts: dict[int, list[np.ndarray]] = {s: [] for s in streams}
+    open_ = list(streams)
+    i = 0
+    while open_:
+        for s in list(open_):
+            if before_chunk is not None:
+                before_chunk(i)
+            c = source.next_chunk(s)
+            parts[s].append(np.asarray(c.fields))
+            if c.exhausted:
+                open_.remove(s)
+            i += 1
+            assert i < max_chunks, "the source never ended"
+    return {s: np.concatenate(p, axis=1) for s, p in parts.items()}

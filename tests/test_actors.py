@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import ray
 
-from actors.worker import WORKER_ENV, StreamWorker, WorkerError
+from actors.worker import WORKER_ENV, StreamWorker, WorkerError, actor_class
 from ingest import Config, SourceConfig, build_plan
 from tests.helpers import write_parquet_corpus
 
@@ -18,7 +18,7 @@ def test_worker_runs_cpu_only_single_threaded_and_never_imports_jax(ray_cluster,
     write_parquet_corpus(tmp_path, n_files=1, docs_per_file=20, row_group_size=10, seed=1)
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=16,
                  global_batch_size=2, num_streams=2, unit_rows=5)
-    w = StreamWorker.remote(cfg, build_plan(cfg), "probe")
+    w = actor_class(StreamWorker).remote(cfg, build_plan(cfg), "probe")
     try:
         ray.get(w.open.remote(0, None), timeout=60)
         chunk = ray.get(w.produce.remote(0, 3), timeout=60)
@@ -41,7 +41,7 @@ def test_worker_reports_a_stream_that_is_not_open_as_a_value(ray_cluster, tmp_pa
     write_parquet_corpus(tmp_path, n_files=1, docs_per_file=20, row_group_size=10, seed=1)
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=16,
                  global_batch_size=2, num_streams=2, unit_rows=5)
-    w = StreamWorker.remote(cfg, build_plan(cfg), "probe")
+    w = actor_class(StreamWorker).remote(cfg, build_plan(cfg), "probe")
     try:
         out = ray.get(w.produce.remote(1, 2), timeout=60)
         assert isinstance(out, WorkerError)
@@ -100,10 +100,12 @@ def test_workers_bind_to_cpus_of_their_own_unless_told_not_to(ray_cluster, tmp_p
     plan = build_plan(cfg)
 
     def probe(self):
-        return self.cpu(), sorted(__import__("os").sched_getaffinity(0))
+        # A pinned worker runs on one CPU; one that claimed none (or is not pinned), on all.
+        affinity = sorted(__import__("os").sched_getaffinity(0))
+        return (affinity[0] if len(affinity) == 1 else None), affinity
 
     everything = sorted(os.sched_getaffinity(0))
-    ws = [StreamWorker.remote(cfg, plan, f"pin{i}") for i in range(2)]
+    ws = [actor_class(StreamWorker).remote(cfg, plan, f"pin{i}") for i in range(2)]
     try:
         got = ray.get([w.__ray_call__.remote(probe) for w in ws], timeout=60)
         claimed = [cpu for cpu, _ in got if cpu is not None]
@@ -120,7 +122,7 @@ def test_workers_bind_to_cpus_of_their_own_unless_told_not_to(ray_cluster, tmp_p
     finally:
         for w in ws:
             ray.kill(w)
-    floating = StreamWorker.remote(dataclasses.replace(cfg, pin_workers=False), plan, "f")
+    floating = actor_class(StreamWorker).remote(dataclasses.replace(cfg, pin_workers=False), plan, "f")
     try:
         assert ray.get(floating.__ray_call__.remote(probe), timeout=60) == (None, everything)
     finally:
@@ -136,12 +138,20 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
                  global_batch_size=4, num_streams=2, unit_rows=5, chunk_rows=64)
     plan = build_plan(cfg)
 
+    class PrefaultProbe(StreamWorker):
+        """Keeps the bytes its prefault thread mapped."""
+
+        def _prefault_store(self, nbytes: int) -> int:
+            self.mapped = super()._prefault_store(nbytes)
+            return self.mapped
+
     def probe(self):
         import os
 
         from ingest.process import prefault_shared, shared_mapping
 
-        prefaulted = self.prefaulted()  # waits for the worker's prefault thread
+        self._prefault.join(60)
+        prefaulted = self.mapped
         found = shared_mapping("plasma")
         if found is None:
             return prefaulted, None, False
@@ -154,12 +164,12 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
 
     for on in (True, False):
         pool = WorkerPool(dataclasses.replace(cfg, prefault_object_store=on), plan, [0, 1],
-                          num_workers=2, get_timeout_s=60)
+                          num_workers=2, get_timeout_s=60, worker_cls=PrefaultProbe)
         try:
             # Two streams, three chunks each of 64 x 256 tokens of 14 bytes (two int32 token
             # fields, three uint16 layout ones; 0.22 MiB): 1.3 MiB.
             assert pool.bytes_bound == 3 * 2 * 64 * 256 * 14
-            got = ray.get([w.__ray_call__.remote(probe) for w in pool._workers], timeout=60)
+            got = ray.get([w.__ray_call__.remote(probe) for w in pool.workers], timeout=60)
         finally:
             pool.close()
         for prefaulted, resident, supported in got:
@@ -193,7 +203,7 @@ def test_pool_workers_follow_the_hosts_cache_settings(ray_cluster, tmp_path, mon
         got = ray.get([w.__ray_call__.remote(
             lambda self: ({k: __import__("os").environ.get(k) for k in HOST_ENV},
                           __import__("ingest.spill").spill.budget_bytes()))
-            for w in pool._workers], timeout=60)
+            for w in pool.workers], timeout=60)
     finally:
         pool.close()
     assert got == [(want, int(2.5 * 2**30))] * 2

@@ -62,7 +62,7 @@ def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_clu
         expected = digest(feed)
     with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
         got = digest(feed)
-        grown = feed._intake.source.resizes
+        grown = feed._intake.source.stats().resizes
     assert got == expected
     assert grown >= 1, "the host waited on one worker, so the pool should have grown"
 

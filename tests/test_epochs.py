@@ -220,7 +220,7 @@ def test_reset_after_epoch_gives_the_same_batches_on_every_pass(request, corpus,
         assert feed.stats()["steps"] == 3 * len(first) + 2
         if backend == "ray":
             assert feed._intake.source is pool, "a new pass should reuse the running workers"
-            assert pool.restarts == 0
+            assert pool.stats().restarts == 0
     assert first == second == third and len(first) > 2
     # Without it, the ended feed stays ended.
     with HostFeed(config.replace(reset_after_epoch=False), sharding=sharding,

@@ -1,4 +1,5 @@
-"""Worker deaths: SIGKILL real worker processes mid-run; the batches must not change."""
+"""Worker deaths: SIGKILL real worker processes mid-run and at every phase of a pool's life;
+the batches must not change."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ import pytest
 import ray
 
 from actors import faults
-from ingest import BatchDigest, Config, SourceConfig
+from actors.pool import WorkerPool
+from ingest import BatchDigest, Config, SourceConfig, StreamError, build_plan
+from ingest.stream import Stream
 from jax_side import HostFeed, batch_sharding
-from tests.helpers import write_parquet_corpus
+from tests.helpers import (
+    dying_worker,
+    failing_worker,
+    poisoned_worker,
+    read_streams,
+    write_parquet_corpus,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -66,7 +75,7 @@ def test_sigkilled_workers_are_replaced_and_batches_do_not_change(ray_cluster, c
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, kill_some)
-        restarts = feed._intake.source.restarts
+        restarts = feed._intake.source.stats().restarts
     assert got == expected
     assert len(killed) >= 3
     assert restarts >= len(killed) - 1  # a kill may land while its worker idles at the end
@@ -86,8 +95,9 @@ def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus,
 
     def resize(step, feed):
         pool = feed._intake.source
-        started.append((pool.num_workers, pool.num_pending))
-        if pool.num_pending:
+        now = pool.stats()
+        started.append((now.num_workers, now.num_pending))
+        if now.num_pending:
             # Let pending workers start (bounded), so the next steps see them take streams.
             refs = [pool.location(w) for w in pool.pending_workers]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=60)
@@ -98,10 +108,10 @@ def test_resize_up_and_down_mid_run_does_not_change_batches(ray_cluster, corpus,
 
     with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
         got = _digests(feed, resize)
-        pool = feed._intake.source
-        assert pool.resizes == len(sizes)
+        end = feed._intake.source.stats()
+        assert end.resizes == len(sizes)
         # Workers take streams once started; the last one may still be starting at the end.
-        assert pool.num_workers + pool.num_pending == 2
+        assert end.num_workers + end.num_pending == 2
     assert got == expected
     assert max(w for w, _ in started) >= 3 and min(w for w, _ in started) == 1, str(started)
 
@@ -112,49 +122,54 @@ def test_resize_is_refused_for_the_local_backend(corpus):
             feed.resize(2)
 
 
+def _unbroken(cfg, plan, streams) -> dict[int, np.ndarray]:
+    """Each stream's rows made in this process, in one go."""
+    return {s: Stream(cfg, plan, s).produce(100_000).fields for s in streams}
+
+
+def _digest(rows: dict[int, np.ndarray]) -> str:
+    d = BatchDigest()
+    d.update({f"stream {s}": rows[s] for s in sorted(rows)})
+    return d.hexdigest()
+
+
 @pytest.mark.parametrize("streams_per_call", [1, 4])
 def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(
-        ray_cluster, corpus, streams_per_call):
+        ray_cluster, corpus, streams_per_call, tmp_path):
     cfg = _config(corpus, num_epochs=1, streams_per_call=streams_per_call)
-    with HostFeed(cfg, sharding=_sharding(), backend="local") as feed:
-        expected = _digests(feed)
-    k = cfg.rows_per_stream
-
-    def inject(step, feed):
-        if step == 1:
-            # Far enough ahead that no request for that row is in flight yet; odd, so the
-            # failure lands mid-chunk (chunk_rows=2).
-            at = (step + 1) * k + (cfg.prefetch + 3) * cfg.chunk_rows + 1
-            faults.inject_error(feed._intake.source, 5, at)
-
-    with HostFeed(cfg, sharding=_sharding(), backend="ray", workers=2) as feed:
-        got = _digests(feed, inject)
-        restarts = feed._intake.source.restarts
-    assert got == expected
-    assert restarts == 1
+    plan = build_plan(cfg)
+    # Odd, so the failure lands mid-chunk (chunk_rows=2); past the first requests in flight.
+    at = (cfg.prefetch + 3) * cfg.chunk_rows + 1
+    pool = WorkerPool(cfg, plan, list(range(8)), num_workers=2, get_timeout_s=60,
+                      worker_cls=failing_worker(5, at, str(tmp_path / "failed")))
+    try:
+        pool.open({s: (None, 0) for s in range(8)})
+        got = read_streams(pool, range(8))
+        stats = pool.stats()
+    finally:
+        pool.close()
+    assert (tmp_path / "failed").exists(), "the injected error never ran"
+    assert _digest(got) == _digest(_unbroken(cfg, plan, range(8)))
+    assert stats.restarts == 1
 
 
 def test_a_stream_that_keeps_failing_stops_with_an_error_naming_file_and_row(ray_cluster,
                                                                              corpus):
-    from actors.pool import WorkerPool
-    from ingest import StreamError, build_plan
-    from ingest.stream import Stream
-
     cfg = _config(corpus, num_epochs=1, chunk_rows=2, prefetch=1)
     plan = build_plan(cfg)
-    pool = WorkerPool(cfg, plan, list(range(8)), num_workers=1)
+    # A fault at every attempt at the same position: what a poison document looks like.
+    pool = WorkerPool(cfg, plan, list(range(8)), num_workers=1, get_timeout_s=60,
+                      worker_cls=failing_worker(3, 3))
     try:
         pool.open({s: (None, 0) for s in range(8)})
         first = pool.next_chunk(3)
         expected = Stream(cfg, plan, 3)
         expected.set_state(first.state_after)
         where = expected.describe_head()
-        # A fault at every attempt at the same position: what a poison document looks like.
         with pytest.raises(StreamError) as e:
-            for _ in range(pool.max_failures):
-                faults.inject_error(pool, 3, first.state_after["rows_emitted"] + 1)
-                pool._replace(pool._placement[3], 3, RuntimeError("injected"))
-        assert f"stream 3 failed {pool.max_failures} times" in str(e.value)
+            for _ in range(2 * pool.recovery.max_failures):
+                pool.next_chunk(3)
+        assert f"stream 3 failed {pool.recovery.max_failures} times" in str(e.value)
         assert where in str(e.value)
         assert str(corpus) in where and " row " in where
     finally:
@@ -171,8 +186,6 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from actors.pool import WorkerPool
-    from ingest import build_plan
     from ingest.plan import deal_units
     from ingest.stream import Stream
     from tests.helpers import make_texts
@@ -196,9 +209,9 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
     assert ([d.tolist() for d in deal_units(plan, **deal)]
             == [d.tolist() for d in deal_units(ref_plan, **deal)]), "precondition: same deal"
 
-    pool = WorkerPool(cfg, plan, list(range(4)), num_workers=2, get_timeout_s=60)
+    pool = WorkerPool(cfg, plan, list(range(4)), num_workers=2, get_timeout_s=60,
+                      worker_cls=poisoned_worker(marker))
     try:
-        faults.inject_poison(pool, marker)
         pool.open({s: (None, 0) for s in range(4)})
         for s in range(4):
             rows, last = [], None
@@ -212,8 +225,8 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
             crashed = last.state_after["skipped"].get("worker_crash", {})
             nulled = ref.get_state()["skipped"].get("null_text", {})
             assert sum(crashed.values()) == sum(nulled.values())
-        assert pool.poisoned == 1
-        assert pool.restarts >= pool.max_failures
+        assert pool.stats().poisoned == 1
+        assert pool.stats().restarts >= pool.recovery.max_failures
     finally:
         pool.close()
 
@@ -228,8 +241,6 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from actors.pool import WorkerPool
-    from ingest import build_plan
     from ingest.plan import deal_units
     from ingest.stream import open_stream
     from tests.helpers import make_texts
@@ -258,10 +269,10 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
         deal = dict(num_streams=2, seed=cfg.seed, epoch=0, shuffle=True, source=src)
         assert ([d.tolist() for d in deal_units(plan, **deal)]
                 == [d.tolist() for d in deal_units(ref_plan, **deal)]), "precondition"
-    pool = WorkerPool(cfg, plan, [0, 1], num_workers=1, get_timeout_s=60)
+    pool = WorkerPool(cfg, plan, [0, 1], num_workers=1, get_timeout_s=60,
+                      worker_cls=poisoned_worker(marker))
     crashed = 0
     try:
-        faults.inject_poison(pool, marker)
         pool.open({0: (None, 0), 1: (None, 0)})
         for s in (0, 1):
             rows, last = [], None
@@ -272,7 +283,73 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
             np.testing.assert_array_equal(np.concatenate(rows, axis=1), want,
                                           err_msg=f"stream {s}")
             crashed += sum(last.state_after["skipped"].get("worker_crash", {}).values())
-        assert pool.poisoned == 1
+        assert pool.stats().poisoned == 1
     finally:
         pool.close()
     assert crashed == 1
+
+
+PHASES = ["spawn", "open", "first_chunk", "handoff", "resize", "close"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_worker_killed_at_any_phase_of_the_pool_is_replaced_and_rows_do_not_change(
+        ray_cluster, corpus, tmp_path, phase):
+    """A worker SIGKILLed while the pool starts it, opens its streams, makes their first
+    chunks, takes them over from the warm start, moves them in a resize, or closes: the run
+    goes on (or ends) without an error, and every stream's rows are the unbroken run's."""
+    from jax_side.warm_start import WarmStartSource
+
+    cfg = _config(corpus, num_epochs=1, streams_per_call=2)
+    plan = build_plan(cfg)
+    streams = list(range(8))
+    flag = str(tmp_path / "killed")
+    worker_cls = {
+        "spawn": dying_worker("__init__", flag),
+        "open": dying_worker("open", flag),
+        "first_chunk": dying_worker("produce", flag),
+        "handoff": dying_worker("open", flag),
+        # The third worker, started by the resize, dies as streams move onto it.
+        "resize": dying_worker("open", flag, name="w2"),
+        "close": None,
+    }[phase]
+
+    def make_pool(workers: int) -> WorkerPool:
+        kw = {} if worker_cls is None else {"worker_cls": worker_cls}
+        return WorkerPool(cfg, plan, streams, num_workers=workers, get_timeout_s=60, **kw)
+
+    if phase == "handoff":
+        source = WarmStartSource(cfg, plan, streams, await_ray=lambda: None,
+                                 make_pool=make_pool, workers=2, step_rows=1,
+                                 get_timeout_s=60)
+    else:
+        source = make_pool(2)
+    before_chunk = None
+    if phase == "resize":
+        def before_chunk(i):
+            if i == 8:
+                source.request_resize(3)
+            if i == 9:  # the resize applied: its worker starts, then takes streams
+                refs = [source.location(w) for w in source.pending_workers]
+                ray.wait(refs, num_returns=len(refs), timeout=60)
+    try:
+        source.open({s: (None, 0) for s in streams})
+        if phase == "close":
+            first = {s: source.next_chunk(s).fields for s in streams}
+            assert faults.kill_random_worker(source, np.random.default_rng(0)) is not None
+            source.close()  # with requests in flight to the dead worker
+            want = _unbroken(cfg, plan, streams)
+            for s in streams:
+                np.testing.assert_array_equal(first[s], want[s][:, :first[s].shape[1]])
+            return
+        if phase == "handoff":
+            # The host makes one chunk of each stream ahead, then waits: the pool takes over
+            # the streams with all their rows still to make.
+            assert source._opened.wait(60), "the pool never took over"
+        got = read_streams(source, streams, before_chunk=before_chunk)
+        stats = source.stats()
+    finally:
+        source.close()
+    assert (tmp_path / "killed").exists(), f"no worker was killed at {phase}"
+    assert _digest(got) == _digest(_unbroken(cfg, plan, streams))
+    assert stats.restarts >= 1

@@ -198,7 +198,7 @@ def test_ray_feed_digest_matches_local_for_any_worker_count(ray_cluster, config,
         batches = drain(feed)
         stats = feed.stats()
         pool = feed._intake.source
-        chunks, requests = pool.chunks_received, pool.requests
+        chunks, requests = pool.chunks_received, pool.stats().requests
     # Grouped: the streams of a group run out of chunks at the same step, so (start and end
     # aside) one call serves them all. Groups are at most a worker's share of the streams.
     group = min(streams_per_call, NUM_STREAMS // workers)
@@ -506,7 +506,7 @@ def test_steady_rate_and_stall_cover_only_the_later_steps(config, plan, sharding
     assert m is not None and m < n, f"the corpus gives {n} steps; the test needs at least 4"
 
     def slow_first_steps(f):
-        if f.steps < m:
+        if f.counters.steps < m:
             time.sleep(0.2)
 
     feed = HostFeed(config, sharding=sharding_1d, backend="local", plan=plan)
@@ -845,7 +845,7 @@ def test_stats_report_the_live_worker_count_after_the_pool_resizes_itself(
     assert feed.stats()["workers"] == 3  # before the pool starts: the workers it will start
 
     def shrink(f: HostFeed) -> None:
-        if f.steps == 1:
+        if f.counters.steps == 1:
             f._intake.source.request_resize(1)  # what AutoscalePolicy's decision does
 
     with feed:

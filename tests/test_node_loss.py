@@ -103,7 +103,7 @@ def _child(spec: dict[str, Any], out: Path) -> None:
     def on_step(step: int, feed: HostFeed) -> None:
         pool = feed._intake.source
         note(f"step {step}: {pool.num_workers} workers, {pool.num_pending} pending, "
-             f"{pool.restarts} restarts")
+             f"{pool.stats().restarts} restarts")
         if step == spec["remove_at"]:
             remove_nodes_of(pool)
             note(f"removed {len(removed)} node(s) at step {step}")

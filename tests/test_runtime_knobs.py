@@ -243,7 +243,7 @@ def test_ray_digest_auto_equals_the_old_explicit_settings(ray_cluster, corpus, s
         chunks = pool.chunks_received
     assert digest(batches) == digest(old_reference)
     # One call makes the chunks of a worker's share of the streams (8 // workers).
-    assert {len(g) for g in pool._group.values()} == {8 // workers}
+    assert {len(pool.placement.group_of(s)) for s in range(8)} == {8 // workers}
     # The value the config reports (and logs) is the one the pool uses.
     assert pool.streams_per_call == auto.streams_per_call == 8 // workers
     assert chunks >= 8

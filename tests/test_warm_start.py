@@ -134,7 +134,7 @@ def test_a_pass_ended_before_ray_was_up_restarts_and_hands_off_in_the_next(ray_c
             if i == 4:
                 gate.opened.set()
                 _wait_for_handoff(feed)
-        assert feed.passes == 2
+        assert feed.counters.passes == 2
     assert len(first) > 10
     assert second == first
 
