@@ -155,14 +155,17 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
         log.warning("%d workers on %d CPUs: the local Ray cluster gets %d CPUs so that every "
                     "worker starts, and they share the cores (on the demo, 3 workers on 2 CPUs "
                     "were no faster than 2)", num_cpus, cpus, num_cpus)
+    from jax_side.private_api import init_local_ray  # noqa: PLC0415 (see the reaper)
+
     temp_dir = _make_temp_dir()
     _start_reaper(temp_dir)  # first: it must see the daemons while they are still descendants
     try:
         # address="local": a new cluster even where ray_current_cluster names one (alive or
-        # not); _temp_dir: its sessions, sockets and address file apart from every other.
-        _init_keeping_handlers(address="local", _temp_dir=temp_dir, num_cpus=num_cpus or cpus,
-                               include_dashboard=False, logging_level=logging.WARNING,
-                               configure_logging=True, _system_config=LOCAL_SYSTEM_CONFIG)
+        # not); temp_dir: its sessions, sockets and address file apart from every other.
+        init_local_ray(_init_keeping_handlers, temp_dir=temp_dir,
+                       system_config=LOCAL_SYSTEM_CONFIG, address="local",
+                       num_cpus=num_cpus or cpus, include_dashboard=False,
+                       logging_level=logging.WARNING, configure_logging=True)
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
@@ -294,7 +297,7 @@ def _pids_using(directory: str) -> list[int]:
 def _host_port(address: str) -> tuple[str, int] | None:
     """The TCP endpoint behind a Ray address, or None where it has none to check."""
     if address == "auto":
-        from jax_side.private_api import ray_auto_address  # noqa: PLC0415 (imports jax)
+        from jax_side.private_api import ray_auto_address  # noqa: PLC0415 (see the reaper)
 
         address = ray_auto_address()
         if address is None:
@@ -386,7 +389,9 @@ class RayStarter:
     def _run(self, address: str | None, num_cpus: int | None) -> None:
         # ray.init warns that it cannot set its SIGTERM handler off the main thread;
         # exit_on_signals (or wait()) handles SIGTERM there.
-        logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
+        from jax_side.private_api import ray_worker_logger  # noqa: PLC0415 (see the reaper)
+
+        ray_worker_logger().addFilter(_NotMainThreadWarning())
         # Starting the cluster forks (and execs at once) Ray's daemons while JAX's threads run:
         # JAX's fork warning does not apply.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
@@ -456,5 +461,6 @@ class _NotMainThreadWarning(logging.Filter):
 
 
 if __name__ == "__main__":
-    # The reaper (see _start_reaper), run as a script: stdlib and psutil only.
+    # The reaper (see _start_reaper), run as a script: stdlib and psutil only (this module
+    # imports the rest of the package inside the functions that need it).
     _reap(int(sys.argv[1]), sys.argv[2])
