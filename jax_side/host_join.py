@@ -10,7 +10,7 @@ The environment shows a cluster through the variables its launcher sets for ever
     MPI (PMI)               PMI_SIZE                                         N
     Kubernetes indexed Job  JOB_COMPLETION_INDEX with KUBERNETES_SERVICE_HOST unknown
     Cloud TPU               TPU_WORKER_HOSTNAMES, TPU_PROCESS_ADDRESSES      N
-                            MEGASCALE_COORDINATOR_ADDRESS, TPU chips (PCI)   unknown
+                            MEGASCALE_COORDINATOR_ADDRESS                    unknown
     JAX                     JAX_COORDINATOR_ADDRESS                          unknown
 
 Where every hint with a count shows one process and none leaves the count open, the process
@@ -19,7 +19,8 @@ the process count and this process's index itself, and a failure is an error, ne
 run alone: JAX recognizes none of these environments (say, Kubernetes without the
 ``kubernetes`` package: ``pip install 'ingest[k8s]'``), or the other processes do not arrive
 within the join timeout. A plain Kubernetes pod (``KUBERNETES_SERVICE_HOST`` alone) is one
-process.
+process. On a Cloud TPU VM that sets none of these, nothing is joined here: on TPU,
+``jax.distributed.initialize()`` is optional (the TPU runtime connects a pod slice's hosts).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import jax
 
@@ -55,7 +55,7 @@ class ClusterJoinError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterHint:
-    """A variable (or device) that shows this process is one of several.
+    """A variable that shows this process is one of several.
 
     Attributes:
       environment: the launcher or platform, for messages (``SLURM``, ``Kubernetes``).
@@ -81,27 +81,9 @@ def _listed(value: str) -> int:
     return len([x for x in value.split(",") if x.strip()])
 
 
-# Google's PCI vendor id: a device of it on a Cloud TPU VM is a TPU chip.
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-
-
-def _tpu_chips() -> int:
-    try:
-        devices = list(Path("/sys/bus/pci/devices").iterdir())
-    except OSError:
-        return 0
-    n = 0
-    for d in devices:
-        try:
-            n += (d / "vendor").read_text().strip() == _GOOGLE_PCI_VENDOR
-        except OSError:
-            pass
-    return n
-
-
 def cluster_hints(environ: dict[str, str] | None = None) -> list[ClusterHint]:
-    """The signs in ``environ`` (default: this process's environment) and on this machine that
-    this process is one of several (see the module docstring); [] where there are none."""
+    """The variables in ``environ`` (default: this process's environment) that show this
+    process is one of several (see the module docstring); [] where there are none."""
     env = os.environ if environ is None else environ
     flags = "pass --coordinator HOST:PORT --num-hosts N --host-id I"
     hints = []
@@ -145,12 +127,6 @@ def cluster_hints(environ: dict[str, str] | None = None) -> list[ClusterHint]:
             environment="Cloud TPU (multislice)",
             evidence=f"MEGASCALE_COORDINATOR_ADDRESS={env['MEGASCALE_COORDINATOR_ADDRESS']}",
             processes=None, fix=f"check the slices' hosts, or {flags}"))
-    if environ is None and not any(h.environment.startswith("Cloud TPU") for h in hints):
-        chips = _tpu_chips()
-        if chips:
-            hints.append(ClusterHint(
-                environment="Cloud TPU VM", evidence=f"{chips} TPU chip(s) on PCI",
-                processes=None, fix=f"check the TPU VM's metadata server, or {flags}"))
     if env.get("JAX_COORDINATOR_ADDRESS"):
         address = env["JAX_COORDINATOR_ADDRESS"]
         hints.append(ClusterHint(
