@@ -6,8 +6,7 @@ are produced first (by our streams, in this process; not timed), then replayed i
     hostfeed     HostFeed's own assembly (``_next_items``, per step): copy k rows per stream
                  into the local batch (up to 4 steps at once where the chunks hold their
                  rows), count tokens, snapshot the state, and form the six global arrays
-                 (one batched transfer in a single process, else six
-                 jax.make_array_from_process_local_data calls)
+                 (one jax.make_array_from_process_local_data call for the six)
     row_copy     only the row copies into a fresh local batch (64-byte aligned, as HostFeed's)
     make_array   only forming the six global arrays from a ready batch, as HostFeed does
     np_copy      np.copy of one contiguous array of the same bytes: the floor
@@ -168,8 +167,8 @@ SWEEP_CHUNK_ROWS = 128
 
 
 def measure_sweep(steps: int) -> list[dict[str, Any]]:
-    """HostFeed's assembly steps (per-stream row copies into an aligned batch, then one
-    batched transfer) on synthetic chunks, against np.copy of the same bytes, per shape."""
+    """HostFeed's assembly steps (per-stream row copies into an aligned batch, then the
+    global arrays) on synthetic chunks, against np.copy of the same bytes, per shape."""
     import jax
 
     from ingest.chunk import Chunk

@@ -3,10 +3,10 @@
 Stream j of the host's block gives rows ``[j*k, (j+1)*k)`` of the host's local batch (k rows
 per stream at this step); a stream that ended fills the rest of its rows with zeros (padding).
 The local batch ``[6, rows, seq_len]`` becomes one ``jax.Array`` per field of shape
-``[B, seq_len]``, what ``jax.make_array_from_process_local_data`` makes of it, in one batched
-transfer (``private_api.put_arrays``). The rows are assembled on the feed's thread; the
-transfer runs on the consumer's (``AssembledStep.arrays``), the thread that dispatches the
-training step, so that transfers and steps reach XLA in the order the user's loop makes them::
+``[B, seq_len]``, in one ``jax.make_array_from_process_local_data`` call for the six fields.
+The rows are assembled on the feed's thread; the transfer runs on the consumer's
+(``AssembledStep.arrays``), the thread that dispatches the training step, so that transfers
+and steps reach XLA in the order the user's loop makes them::
 
     host rows  stream 0: r0 r1 | stream 1: r0 pad     k = 2
     local      [6, 4, seq_len] -> inputs, targets, ... each [B, seq_len] on the sharding
@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding
 from ingest.shift import FIELDS, RowPieces, batch_groups
 from jax_side.chunk_intake import ChunkIntake
 from jax_side.host_buffers import aligned_empty
-from jax_side.private_api import put_arrays
 from jax_side.sharding import HostRows
 
 __all__ = ["AssembledStep", "LocalBatch", "assembled_step", "fill_local_batch", "fill_round",
@@ -35,10 +34,11 @@ def global_arrays(local: np.ndarray, sharding: NamedSharding,
                   global_batch_size: int) -> dict[str, jax.Array]:
     """The six global ``[global_batch_size, seq_len]`` arrays from this process's rows
     (``local``: ``[6, rows, seq_len]``, from ``host_buffers.aligned_empty``): what
-    ``jax.make_array_from_process_local_data`` makes of each field, in one batched transfer
-    (0.10 ms on 1 CPU device, 0.35 on 8, against 1.1 and 1.5 ms)."""
+    ``jax.make_array_from_process_local_data`` makes of each field, in one call (on one
+    process, one batched ``jax.device_put``)."""
     shape = (global_batch_size, local.shape[2])
-    return dict(zip(FIELDS, put_arrays(list(local), sharding, shape), strict=True))
+    arrays = jax.make_array_from_process_local_data(sharding, list(local), shape)
+    return dict(zip(FIELDS, arrays, strict=True))
 
 
 @dataclasses.dataclass
@@ -123,11 +123,8 @@ def fill_round(intake: ChunkIntake, rows: HostRows, k: int, seq_len: int,
     every one of ``rows.streams`` has their ``k x steps`` rows in its current chunk (else
     None). The rows are not taken: ``ChunkIntake.advance`` takes each step's.
 
-    One round's copies and hand-offs serve ``steps`` batches: on the demo's 16 streams, the
-    feed's process took 279 - 309 us of CPU a step with rounds of 4 against 372 - 450 step by
-    step (the chunks in memory, the consumer taking each batch as it came); in ``ingest run``
-    on 2 CPUs, rounds and ``RowPieces`` together took 361 - 398 us against 531 - 658 for
-    three copies a stream, step by step."""
+    One round's copies and hand-offs serve ``steps`` batches, which takes the feed's process
+    less CPU a step than step by step."""
     for s in rows.streams:
         if not intake.holds(s, k * steps):
             return None

@@ -5,7 +5,7 @@ global sorted order needs every sequence's length, and tokenizing an eval set is
 (tiktoken GPT-2: millions of tokens/s per core), so this costs less than a collective
 and no process ever waits for another. Each process then fills only the rows its devices hold,
 read off the sharding's addressable indices (``jax_side.sharding.host_rows``), and forms the
-global arrays as ``jax.make_array_from_process_local_data`` does (``private_api.put_arrays``)::
+global arrays with ``jax.make_array_from_process_local_data``::
 
     global batch b (B=8)     sorted sequences 8b .. 8b+7, width w_b
     host 0 (rows 0-3)        fills sequences 8b .. 8b+3
@@ -28,7 +28,6 @@ from ingest.eval_plan import EvalPlan, plan_batches
 from ingest.evaluation import INDEX_FIELDS, EvalConfig, Request, tokenize_requests
 from ingest.shift import FIELDS
 from ingest.tokenize import Tokenizer
-from jax_side.private_api import put_arrays
 from jax_side.sharding import host_rows
 
 __all__ = ["EvalFeed"]
@@ -113,10 +112,12 @@ class EvalFeed:
         local = self.plan.rows(b, self._start, self._stop)
         B = self.config.global_batch_size
         shape = (B, int(self.plan.widths[b]))
-        out = dict(zip(FIELDS, put_arrays([local[name] for name in FIELDS], self.sharding,
-                                          shape), strict=True))
-        out.update(zip(INDEX_FIELDS, put_arrays([local[name] for name in INDEX_FIELDS],
-                                                self._index_sharding, (B,)), strict=True))
+        put = jax.make_array_from_process_local_data
+        out = dict(zip(FIELDS, put(self.sharding, [local[name] for name in FIELDS], shape),
+                       strict=True))
+        out.update(zip(INDEX_FIELDS, put(self._index_sharding,
+                                         [local[name] for name in INDEX_FIELDS], (B,)),
+                       strict=True))
         return out
 
     def stats(self) -> dict[str, Any]:

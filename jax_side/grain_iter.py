@@ -57,6 +57,7 @@ class FeedIterator(grain.DatasetIterator):
         # Later feeds reuse the plan: no second listing of the corpus on set_state.
         self._options = {**feed_options, "plan": self._feed.plan}
         self._taken = False
+        self._ended = False
 
     @property
     def feed(self) -> HostFeed:
@@ -68,7 +69,7 @@ class FeedIterator(grain.DatasetIterator):
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        self._assert_not_closed()
+        self._check_open()
         self._taken = True
         return next(self._feed)
 
@@ -83,7 +84,7 @@ class FeedIterator(grain.DatasetIterator):
           ValueError: the state was saved under another config or corpus (naming the
             difference), or lacks a stream this process owns.
         """
-        self._assert_not_closed()
+        self._check_open()
         if self._taken:
             old = self._feed
             self._feed = HostFeed(old.config, sharding=old.sharding, backend=old.backend,
@@ -95,9 +96,14 @@ class FeedIterator(grain.DatasetIterator):
     def close(self) -> None:
         """Stops the feed's producer thread and its workers (idempotent)."""
         feed = getattr(self, "_feed", None)  # grain's __del__ calls this, even after a failed init
-        if feed is not None and not self._closed:
+        if feed is not None and not getattr(self, "_ended", False):
             feed.close()
+        self._ended = True
         super().close()
+
+    def _check_open(self) -> None:
+        if self._ended:
+            raise ValueError(f"Trying to advance a closed iterator: '{self}'.")
 
     def __str__(self) -> str:
         return f"FeedIterator(backend={self._feed.backend!r}, streams={list(self._feed.streams)})"

@@ -7,6 +7,12 @@ cluster it was not given: another user's ``ray start --head``, or a second ``ing
 starting beside it, stays apart. Given an address, it joins that cluster, and fails within
 seconds, naming the address, when nothing answers there.
 
+Ray connects to a loopback address (``127.0.0.1:PORT``, ``localhost:PORT``) through the
+machine's own address instead, where a head that listens on 127.0.0.1 only does not answer, and
+retries there for minutes. ``prepare_ray_environment`` keeps every Ray socket of the process on
+127.0.0.1 for such a head, before Ray is imported; once Ray is imported without it,
+``start_ray`` fails within seconds, naming the address and the fix.
+
 Interrupts: ``exit_on_signals`` turns SIGINT and SIGTERM into one line and exit status
 ``128 + signal`` wherever they arrive.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import logging
 import os
 import shutil
@@ -29,7 +36,7 @@ import warnings
 from collections.abc import Iterator
 
 __all__ = ["ClusterUnreachableError", "Interrupted", "RayStarter", "exit_on_signals",
-           "import_ray", "start_ray"]
+           "import_ray", "prepare_ray_environment", "start_ray"]
 
 log = logging.getLogger("ingest")
 
@@ -123,10 +130,99 @@ def exit_on_signals() -> Iterator[None]:
                 signal.signal(s, handler)
 
 
+# Ray's switch that puts every socket of a process on 127.0.0.1; read when Ray is imported.
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def prepare_ray_environment(address: str | None) -> None:
+    """Process-wide settings that must precede ``import ray``: sets ``LOOPBACK_SWITCH=0``
+    (unless already set) where ``stays_on_loopback(address)``, so that every Ray socket of this
+    process (and of the processes it starts) uses 127.0.0.1. Ray reads it when it is imported:
+    set later, it does nothing.
+
+    Args:
+      address: the address the command was given (``--address``, else ``$RAY_ADDRESS``), or
+        None.
+    """
+    if stays_on_loopback(address):
+        os.environ.setdefault(LOOPBACK_SWITCH, "0")
+
+
+def stays_on_loopback(address: str | None) -> bool:
+    """Whether Ray must keep to 127.0.0.1 for ``address``: a cluster of this command's own
+    (None, ``local``), or a loopback ``host:port`` whose cluster answers there but not on this
+    machine's own address, where Ray would connect instead. Imports nothing of Ray."""
+    if not address or address == "local":
+        return True
+    if "://" in address or address == "auto":
+        return False
+    endpoint = _host_port(address)
+    if endpoint is None or not _is_loopback(endpoint[0]):
+        return False
+    own = _own_address()
+    return (own is not None and not _is_loopback(own) and _answers(*endpoint)
+            and not _answers(own, endpoint[1]))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _own_address() -> str | None:
+    """The address Ray gives this machine's node: the interface of its route to a public
+    address (a UDP socket's connect sends nothing); None where there is no such route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 53))
+        except OSError:
+            return None
+        return s.getsockname()[0]
+
+
+def _answers(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def check_loopback_route(address: str) -> None:
+    """Raises ``ClusterUnreachableError`` where Ray, already imported, would connect to the
+    loopback ``address`` through this machine's own address and nothing answers there: it
+    would retry for minutes.
+
+    Args:
+      address: as given to ``--address`` or ``$RAY_ADDRESS``, after ``check_reachable``.
+    """
+    import ray.util  # noqa: PLC0415
+
+    endpoint = _host_port(address) if "://" not in address else None
+    if endpoint is None or not _is_loopback(endpoint[0]):
+        return
+    own = ray.util.get_node_ip_address()  # where Ray connects for a loopback address
+    if _is_loopback(own) or _answers(own, endpoint[1]):
+        return
+    host, port = endpoint
+    raise ClusterUnreachableError(
+        f"the Ray cluster at {host}:{port} ({_given(address)}) answers on 127.0.0.1 only, but "
+        f"Ray connects to a loopback address through this machine's address {own}:{port}, where "
+        f"nothing answers; set {LOOPBACK_SWITCH}=0 in the environment before Ray is imported "
+        f"(`ingest` sets it itself for such an address; from Python, set it before `import "
+        f"ray`), or start the head on {own} (`ray start --head --node-ip-address={own}`) and "
+        f"give {own}:{port}")
+
+
 def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (or ``$RAY_ADDRESS``), else starts a local cluster of its own.
 
-    A local cluster listens on 127.0.0.1 (see ``prepare_environment``) with ports Ray picks
+    A local cluster listens on 127.0.0.1 (see ``prepare_ray_environment``) with ports Ray picks
     free, keeps its files in a fresh temporary directory, and is stopped and removed at exit.
 
     Args:
@@ -134,7 +230,8 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
       num_cpus: logical CPUs of a local cluster (default: the machine's); ignored when joining.
 
     Raises:
-      ClusterUnreachableError: nothing answers at the address given.
+      ClusterUnreachableError: nothing answers at the address given, or where Ray would
+        connect for it (``check_loopback_route``).
     """
     import ray
 
@@ -143,6 +240,7 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address and address != "local":
         check_reachable(address)
+        check_loopback_route(address)
         try:
             _init_keeping_handlers(address=address, log_to_driver=True)
         except ConnectionError as e:  # a port that answers, but no Ray cluster behind it
@@ -155,14 +253,17 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
         log.warning("%d workers on %d CPUs: the local Ray cluster gets %d CPUs so that every "
                     "worker starts, and they share the cores (on the demo, 3 workers on 2 CPUs "
                     "were no faster than 2)", num_cpus, cpus, num_cpus)
+    from jax_side.private_api import init_local_ray  # noqa: PLC0415 (see the reaper)
+
     temp_dir = _make_temp_dir()
     _start_reaper(temp_dir)  # first: it must see the daemons while they are still descendants
     try:
         # address="local": a new cluster even where ray_current_cluster names one (alive or
-        # not); _temp_dir: its sessions, sockets and address file apart from every other.
-        _init_keeping_handlers(address="local", _temp_dir=temp_dir, num_cpus=num_cpus or cpus,
-                               include_dashboard=False, logging_level=logging.WARNING,
-                               configure_logging=True, _system_config=LOCAL_SYSTEM_CONFIG)
+        # not); temp_dir: its sessions, sockets and address file apart from every other.
+        init_local_ray(_init_keeping_handlers, temp_dir=temp_dir,
+                       system_config=LOCAL_SYSTEM_CONFIG, address="local",
+                       num_cpus=num_cpus or cpus, include_dashboard=False,
+                       logging_level=logging.WARNING, configure_logging=True)
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
@@ -294,7 +395,7 @@ def _pids_using(directory: str) -> list[int]:
 def _host_port(address: str) -> tuple[str, int] | None:
     """The TCP endpoint behind a Ray address, or None where it has none to check."""
     if address == "auto":
-        from jax_side.private_api import ray_auto_address  # noqa: PLC0415 (imports jax)
+        from jax_side.private_api import ray_auto_address  # noqa: PLC0415 (see the reaper)
 
         address = ray_auto_address()
         if address is None:
@@ -386,7 +487,9 @@ class RayStarter:
     def _run(self, address: str | None, num_cpus: int | None) -> None:
         # ray.init warns that it cannot set its SIGTERM handler off the main thread;
         # exit_on_signals (or wait()) handles SIGTERM there.
-        logging.getLogger("ray._private.worker").addFilter(_NotMainThreadWarning())
+        from jax_side.private_api import ray_worker_logger  # noqa: PLC0415 (see the reaper)
+
+        ray_worker_logger().addFilter(_NotMainThreadWarning())
         # Starting the cluster forks (and execs at once) Ray's daemons while JAX's threads run:
         # JAX's fork warning does not apply.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
@@ -456,5 +559,6 @@ class _NotMainThreadWarning(logging.Filter):
 
 
 if __name__ == "__main__":
-    # The reaper (see _start_reaper), run as a script: stdlib and psutil only.
+    # The reaper (see _start_reaper), run as a script: stdlib and psutil only (this module
+    # imports the rest of the package inside the functions that need it).
     _reap(int(sys.argv[1]), sys.argv[2])

@@ -30,6 +30,7 @@ from jax_side.ray_cluster import (
     Interrupted,
     RayStarter,
     exit_on_signals,
+    prepare_ray_environment,
     start_ray,
 )
 
@@ -247,11 +248,10 @@ def prepare_environment(args) -> None:
     """Process-wide settings that must precede ``import ray``.
 
     A cluster this command starts itself (no --address, no $RAY_ADDRESS) listens on 127.0.0.1
-    only. Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported, so setting it later
-    does nothing (its sockets then listen on every interface).
+    only, and a head given at a loopback address that listens there only is reached there
+    (``ray_cluster.prepare_ray_environment``).
     """
-    if (getattr(args, "address", None) or os.environ.get("RAY_ADDRESS") or "local") == "local":
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    prepare_ray_environment(getattr(args, "address", None) or os.environ.get("RAY_ADDRESS"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,10 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
 from ingest.shift import RowPieces, batch_groups, fields_of
-from jax_side import HostFeed, batch_sharding, private_api
+from jax_side import HostFeed, batch_sharding
 from jax_side.chunk_intake import ChunkIntake
 from jax_side.feed_stats import steady_window_start
-from jax_side.host_buffers import aligned_empty
 
 DEADLINE_S = 120.0  # generous for 2 CPUs; a healthy drain of this corpus takes a few seconds
 
@@ -400,94 +399,6 @@ def test_consumer_wait_stats_are_present_and_non_negative(reference):
     assert stats["tokens_per_s"] > 0
     assert stats["steps"] == len(reference["batches"])
     assert stats["backend"] == "local"
-
-
-def _assert_same_arrays(ours: dict, theirs: dict) -> None:
-    assert list(ours) == list(theirs)
-    for name in theirs:
-        a, b = ours[name], theirs[name]
-        assert type(a) is type(b) and a.sharding == b.sharding, name
-        assert a.aval == b.aval, name
-        assert a._committed and b._committed, name
-        assert [(s.device, s.index) for s in a.addressable_shards] == \
-            [(s.device, s.index) for s in b.addressable_shards], name
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-
-
-def _random_fields() -> np.ndarray:
-    local = aligned_empty((len(FIELDS), 16, SEQ_LEN))
-    local[:] = np.random.default_rng(0).integers(0, 50_000, local.shape, dtype=np.int32)
-    return local
-
-
-@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2), (1, 8)])
-def test_batched_transfer_gives_the_arrays_device_put_gives(devices, mesh_shape):
-    """The feed's fast path to device arrays (JAX's own batched transfer) against the public
-    ``jax.device_put``: same type, sharding, committed flag, shards and values."""
-    assert private_api.batched_transfer(), "the pinned JAX should offer batched_device_put"
-    names = ("data", "model")[:len(mesh_shape)]
-    sharding = batch_sharding(jax.make_mesh(mesh_shape, names), "data")
-    for rows in (16, 8, 16):  # the plan of a shape is made once, then reused
-        local = _random_fields()[:, :rows]
-        theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
-        for global_shape in (None, local.shape[1:]):  # one process: the whole array
-            ours = dict(zip(FIELDS, private_api.put_arrays(list(local), sharding, global_shape),
-                            strict=True))
-            _assert_same_arrays(ours, theirs)
-    assert private_api.batched_transfer(), "the fast path fell back to jax.device_put"
-
-
-def test_batched_transfer_converts_the_dtypes_device_put_converts(devices):
-    """int64 without x64 becomes int32, as through ``jax.device_put``; beside it, an int32
-    and a float32 array of other shapes, and a replicated sharding."""
-    mesh = jax.make_mesh((8,), ("data",))
-    rng = np.random.default_rng(1)
-    arrays = [rng.integers(0, 2**20, (16, 4), dtype=np.int64),
-              rng.integers(0, 50_000, (8, 3), dtype=np.int32),
-              rng.random((16, 2), dtype=np.float32)]
-    for sharding in (batch_sharding(mesh, "data"), NamedSharding(mesh, PartitionSpec())):
-        ours = dict(enumerate(private_api.put_arrays(arrays, sharding)))
-        theirs = dict(enumerate(jax.device_put(arrays, sharding)))
-        _assert_same_arrays(ours, theirs)
-        assert ours[0].dtype == np.int32
-    assert private_api.batched_transfer()
-
-
-def test_a_shape_whose_fast_array_differs_goes_through_device_put(devices, caplog):
-    """A batched transfer that gives other values than ``jax.device_put`` (here: off by one)
-    is caught on a shape's first call; that shape goes through ``jax.device_put``."""
-    from jax._src.lib import xla_client
-
-    def off_by_one(aval, sharding, shards, devices, committed):
-        return xla_client.batched_device_put(aval, sharding, [x + 1 for x in shards], devices,
-                                             committed)
-
-    put = private_api._planned_put(off_by_one)
-    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
-    local = _random_fields()
-    with caplog.at_level("WARNING", logger="jax_side.private_api"):
-        for _ in range(2):
-            ours = dict(zip(FIELDS, put(list(local), sharding), strict=True))
-            theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
-            _assert_same_arrays(ours, theirs)
-    assert caplog.text.count("gave another array than its public call") == 1
-
-
-def test_a_failing_batched_transfer_falls_back_to_device_put(devices, monkeypatch, caplog):
-    """Another JAX whose private function takes other arguments: the public call, from then
-    on, with the same arrays and a warning."""
-    def other_signature(arrays, sharding, global_shape):
-        raise TypeError("batched_device_put() takes 4 positional arguments but 5 were given")
-
-    monkeypatch.setattr(private_api, "_batched_put", other_signature)
-    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
-    local = _random_fields()
-    with caplog.at_level("WARNING", logger="jax_side.private_api"):
-        ours = dict(zip(FIELDS, private_api.put_arrays(list(local), sharding), strict=True))
-    assert not private_api.batched_transfer()
-    assert "using its public call" in caplog.text
-    theirs = jax.device_put({name: local[i] for i, name in enumerate(FIELDS)}, sharding)
-    _assert_same_arrays(ours, theirs)
 
 
 @pytest.mark.parametrize(("steps", "start"), [(0, None), (3, None), (4, 2), (7, 2), (8, 4),
@@ -864,13 +775,13 @@ def test_the_consumer_thread_makes_the_device_arrays(config, plan, sharding_1d, 
     import jax_side.batch_assembly as assembly
 
     made_on: set[int] = set()
-    put = assembly.put_arrays
+    put = assembly.global_arrays
 
     def recording_put(*args, **kwargs):
         made_on.add(threading.get_ident())
         return put(*args, **kwargs)
 
-    monkeypatch.setattr(assembly, "put_arrays", recording_put)
+    monkeypatch.setattr(assembly, "global_arrays", recording_put)
 
     @jax.jit
     def step(total, batch):

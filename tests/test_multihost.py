@@ -224,65 +224,6 @@ def _child_feed(spec: dict[str, Any], out: Path) -> None:
                                "backend": stats["backend"], "workers": stats["workers"]}))
 
 
-# -- the batched transfer on several processes ------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_batched_transfer_gives_the_arrays_make_array_from_process_local_data_gives(tmp_path):
-    """On 2 processes, ``put_arrays`` with a global shape against the public
-    ``jax.make_array_from_process_local_data``, on meshes whose data axis puts each process's
-    devices together, alternating, or beside a model axis, and a replicated sharding."""
-    procs = start_children("put", {}, tmp_path)
-    assert finish(procs, tmp_path, CHILD_TIMEOUT_S) == [0, 0], \
-        [stderr_of(tmp_path, i)[-3000:] for i in range(HOSTS)]
-    for i in range(HOSTS):
-        got = json.loads((tmp_path / f"out{i}.json").read_text())
-        assert got["checked"] == len(PUT_MESHES) * 2 * 3, got
-        assert got["differ"] == [] and got["batched"], got
-        assert "another array" not in stderr_of(tmp_path, i)
-
-
-# Device orders: each process's 4 devices together, alternating between the processes, and a
-# 2-d mesh whose model axis pairs devices of one process.
-PUT_MESHES = {"together": ((8,), ("data",), list(range(8))),
-              "alternating": ((8,), ("data",), [0, 4, 1, 5, 2, 6, 3, 7]),
-              "2d": ((4, 2), ("data", "model"), list(range(8)))}
-
-
-def _child_put(spec: dict[str, Any], out: Path) -> None:
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from jax_side import private_api
-
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    rng = np.random.default_rng(jax.process_index())
-    checked, differ = 0, []
-    for name, (shape, axes, order) in PUT_MESHES.items():
-        mesh = Mesh(np.array([devices[i] for i in order]).reshape(shape), axes)
-        for sharding, rows in ((batch_sharding(mesh, "data"), 4), (NamedSharding(mesh,
-                               PartitionSpec()), 8)):
-            gshape = (8, 16)
-            for _ in range(3):  # the first call plans, the next ones use the plan
-                local = [rng.integers(0, 50_000, (rows, 16), dtype=np.int32) for _ in range(6)]
-                if rows == 8:  # replicated: the same data on every process
-                    local = [np.full((8, 16), k, np.int32) for k in range(6)]
-                ours = private_api.put_arrays(local, sharding, gshape)
-                for x, a in zip(local, ours, strict=True):
-                    b = jax.make_array_from_process_local_data(sharding, x, gshape)
-                    same = (a.aval == b.aval and a.sharding == b.sharding and a._committed
-                            and [(s.device, s.index) for s in a.addressable_shards]
-                            == [(s.device, s.index) for s in b.addressable_shards]
-                            and all(np.array_equal(np.asarray(s.data), np.asarray(t.data))
-                                    for s, t in zip(a.addressable_shards,
-                                                    b.addressable_shards, strict=True)))
-                    if not same:
-                        differ.append(f"{name} {sharding.spec}")
-                checked += 1
-    out.write_text(json.dumps({"checked": checked, "differ": differ,
-                               "batched": private_api.batched_transfer()}))
-
-
 # -- a stream that would straddle two hosts is refused at start --------------------------------
 
 
@@ -572,8 +513,12 @@ def test_one_process_agreement_follows_the_claims():
 
 
 _SCHEDULER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-                   "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
-                   "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT")
+                   "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
+                   "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "KUBERNETES_SERVICE_HOST",
+                   "JOB_COMPLETION_INDEX", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",
+                   "MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS",
+                   "JAX_COORDINATOR_PORT")
+JOIN_CHECK_TIMEOUT_S = 120  # a process that fails to join must have exited within this
 
 
 def slurm_env(process: int, processes: int) -> dict[str, str]:
@@ -583,48 +528,107 @@ def slurm_env(process: int, processes: int) -> dict[str, str]:
             "SLURM_LOCALID": str(process)}
 
 
+def cluster_env(**extra: str) -> dict[str, str]:
+    """``child_env()`` without any launcher's variables, plus ``extra``."""
+    env = {k: v for k, v in child_env().items() if k not in _SCHEDULER_VARS}
+    env.update(extra)
+    return env
+
+
 @pytest.mark.parametrize("env, found", [
-    ({}, None),
-    (slurm_env(2, 4), ("SlurmCluster", 4)),
-    (slurm_env(0, 1), ("SlurmCluster", 1)),
-    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, None),  # not the set JAX reads
+    ({}, []),
+    (slurm_env(2, 4), [("SLURM", 4)]),
+    (slurm_env(0, 1), [("SLURM", 1)]),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, []),  # not inside a SLURM job
+    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3"}, [("Open MPI", 8)]),
+    ({"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1:34911"}, [("Open MPI", None)]),
+    ({"PMI_SIZE": "2", "PMI_RANK": "0"}, [("MPI (PMI)", 2)]),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, []),  # a plain pod: one process
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"},
+     [("Kubernetes indexed Job", None)]),
+    ({"TPU_WORKER_HOSTNAMES": "t-0,t-1,t-2,t-3"}, [("Cloud TPU", 4)]),
+    ({"TPU_WORKER_HOSTNAMES": "localhost"}, [("Cloud TPU", 1)]),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, [("JAX", None)]),
 ])
-def test_cluster_environments_are_the_ones_jax_detects(monkeypatch, env, found):
-    from jax_side.host_join import detected_cluster
+def test_cluster_hints_are_the_variables_the_launchers_set(env, found):
+    from jax_side.host_join import cluster_hints
 
-    for name in _SCHEDULER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert detected_cluster() == found
+    assert [(h.environment, h.processes) for h in cluster_hints(env)] == found
 
 
-def test_a_coordinator_address_alone_is_refused_before_joining(monkeypatch):
-    from jax_side import host_join
+def test_the_kubernetes_hint_names_the_k8s_extra_where_the_client_is_missing():
+    import importlib.util
 
-    for name in _SCHEDULER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
-    with pytest.raises(RuntimeError, match="JAX_COORDINATOR_ADDRESS=127.0.0.1:1 is set, but no "
-                                           "cluster environment"):
-        host_join.initialize(None, None, None)
-    assert not jax.distributed.is_initialized()
+    from jax_side.host_join import cluster_hints
+
+    [hint] = cluster_hints({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "0"})
+    missing = importlib.util.find_spec("kubernetes") is None
+    assert ("pip install 'ingest[k8s]'" in hint.fix) is missing
+    assert "JOB_COMPLETION_INDEX" in hint.fix
 
 
-def test_the_command_names_a_cluster_it_cannot_join_without_a_traceback(monkeypatch, capsys,
-                                                                         tmp_path):
-    from tests.test_cli import call_main
+@pytest.mark.slow
+@pytest.mark.parametrize("env, evidence, fix", [
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}, "JAX: JAX_COORDINATOR_ADDRESS=127.0.0.1:1",
+     "--coordinator 127.0.0.1:1 --num-hosts N --host-id I"),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"},
+     "Open MPI: OMPI_COMM_WORLD_SIZE=2", "I=$OMPI_COMM_WORLD_RANK"),
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, "MPI (PMI): PMI_SIZE=2", "I=$PMI_RANK"),
+    ({"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "1",
+      "JOB_COMPLETION_INDEX": "1"},
+     "Kubernetes indexed Job: JOB_COMPLETION_INDEX=1", "I=$JOB_COMPLETION_INDEX"),
+], ids=["coordinator-address-alone", "open-mpi-5", "pmi", "kubernetes"])
+def test_the_command_fails_where_the_environment_suggests_hosts_jax_cannot_join(
+        tmp_path, env, evidence, fix):
+    """An environment that shows several processes, where JAX's detection finds none, stops
+    the command with one line that names the variables and the fix, instead of a run alone."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jax_side.run", "run", "--backend", "local", "--steps", "1",
+         "--json", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+        timeout=JOIN_CHECK_TIMEOUT_S, env=cluster_env(INGEST_CACHE_DIR=str(tmp_path), **env))
+    assert out.returncode == 1, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert out.stdout == ""  # no step ran
+    line = next(x for x in out.stderr.splitlines() if x.startswith("ingest: error:"))
+    assert f"the environment suggests several JAX processes ({evidence})" in line, line
+    assert "jax.distributed.initialize() could not join them" in line and fix in line, line
+    assert "Traceback" not in out.stderr
 
-    for name in _SCHEDULER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
-    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))
-    assert call_main(["run", "--backend", "local", "--steps", "1"]) == 1
-    err = capsys.readouterr().err
-    assert "ingest: error: JAX_COORDINATOR_ADDRESS=127.0.0.1:1 is set" in err
-    assert "--coordinator 127.0.0.1:1 --num-hosts N --host-id I" in err
-    assert "Traceback" not in err
-    assert not jax.distributed.is_initialized()
+
+_JOIN_ALONE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from jax_side import host_join
+host_join.initialize(None, None, None, timeout_s=float(sys.argv[1]))
+print("joined")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_host_whose_peers_never_arrive_fails_with_one_line_after_the_join_timeout(process):
+    """SLURM shows 2 tasks, only this one starts: it gives up after the join timeout with one
+    line naming the environment and the fix (JAX alone would abort with a native trace)."""
+    env = cluster_env(**slurm_env(process, 2), JAX_COORDINATOR_PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-c", _JOIN_ALONE, "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=JOIN_CHECK_TIMEOUT_S)
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert "joined" not in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ingest: error: the JAX processes (SLURM: SLURM_NTASKS=2) did not "
+                           "all arrive within 2 s at jax.distributed.initialize()"), last
+    assert "srun" in last and "--coordinator HOST:PORT" in last, last
+
+
+@pytest.mark.slow
+def test_an_environment_of_one_process_runs_alone_without_joining():
+    code = _JOIN_ALONE + "import jax; print(jax.process_count(), " \
+                         "jax.distributed.is_initialized())\n"
+    out = subprocess.run([sys.executable, "-c", code, "2"], cwd=ROOT,
+                         env=cluster_env(**slurm_env(0, 1)), capture_output=True, text=True,
+                         timeout=JOIN_CHECK_TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["joined", "1", "False"]
+    assert "the environment shows one process (SLURM: SLURM_NTASKS=1)" in out.stderr
 
 
 @pytest.mark.slow
@@ -640,8 +644,7 @@ def test_cli_hosts_join_through_the_cluster_environment_jax_detects(corpora, tmp
     port = free_port()
     procs = []
     for i in range(HOSTS):
-        env = {k: v for k, v in child_env().items() if k not in _SCHEDULER_VARS}
-        env.update(slurm_env(i, HOSTS), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+        env = cluster_env(**slurm_env(i, HOSTS), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
         with open(tmp_path / f"err{i}.txt", "w") as err:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "jax_side.run", *common], cwd=ROOT, env=env,
@@ -652,7 +655,9 @@ def test_cli_hosts_join_through_the_cluster_environment_jax_detects(corpora, tmp
     finally:
         stop_all(procs)
     assert codes == [0, 0], [stderr_of(tmp_path, i)[-3000:] for i in range(HOSTS)]
-    assert "cluster environment SlurmCluster (2 processes)" in stderr_of(tmp_path, 1)
+    assert ("the environment suggests several processes (SLURM: SLURM_NTASKS=2; JAX: "
+            f"JAX_COORDINATOR_ADDRESS=127.0.0.1:{port})") in stderr_of(tmp_path, 1)
+    assert "joined as process 1 of 2" in stderr_of(tmp_path, 1)
     lines = [line for out in outs for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, f"expected one summary, got {outs}"
     multi = json.loads(lines[0])
@@ -668,8 +673,7 @@ def _child(argv: list[str]) -> None:
     mode, pid, port, spec, out = argv
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=HOSTS,
                                process_id=int(pid), initialization_timeout=CHILD_TIMEOUT_S)
-    {"feed": _child_feed, "steps": _child_steps, "put": _child_put}[mode](json.loads(spec),
-                                                                          Path(out))
+    {"feed": _child_feed, "steps": _child_steps}[mode](json.loads(spec), Path(out))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:

@@ -290,6 +290,79 @@ def test_joining_a_cluster_that_is_gone_fails_fast_naming_the_address(job, ray_t
     assert took < 60, f"took {took:.0f} s to give up on {dead}"  # ray.init alone retries minutes
 
 
+# -- a head that listens on 127.0.0.1 only, given by its loopback address ------------------------
+
+
+def without_loopback_switch(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without Ray's loopback switch: Ray then connects to a loopback address through
+    the machine's own address, as it does by default."""
+    from jax_side.ray_cluster import LOOPBACK_SWITCH
+
+    return {k: v for k, v in env.items() if k != LOOPBACK_SWITCH}
+
+
+def own_address_or_skip() -> str:
+    """The address Ray gives this machine's node when it may use every interface; skips where
+    that is loopback (no route off the machine: Ray stays on 127.0.0.1 anyway)."""
+    from jax_side.ray_cluster import _is_loopback, _own_address
+
+    own = _own_address()
+    if own is None or _is_loopback(own):
+        pytest.skip("this machine has no address besides loopback for Ray to switch to")
+    return own
+
+
+@pytest.fixture
+def loopback_head(ray_tmp):
+    own_address_or_skip()
+    h = Head(ray_tmp, num_cpus=2)  # the loopback switch is on: it listens on 127.0.0.1 only
+    yield h
+    h.stop()
+
+
+def test_a_loopback_only_head_given_by_its_loopback_address_is_joined(job, ray_tmp,
+                                                                      loopback_head,
+                                                                      reference_digest):
+    """Without the loopback switch in its environment, Ray would connect to the machine's own
+    address, where the head does not listen, and retry for minutes."""
+    env = without_loopback_switch(env_for(ray_tmp))
+    s = summary(*run_ingest(run_args(job, "ray", "--address", loopback_head.address), env))
+    assert s["digest"] == reference_digest and s["workers"] == 2
+    assert loopback_head.answers() == (7, 1)  # joined, no node of its own added
+    assert own_temp_dirs(ray_tmp) == []
+
+
+_START_AFTER_IMPORT = """
+import sys
+import ray  # imported before ingest could keep Ray on 127.0.0.1
+from jax_side.ray_cluster import ClusterUnreachableError, start_ray
+try:
+    start_ray(sys.argv[1])
+except ClusterUnreachableError as e:
+    print(e, file=sys.stderr)
+    sys.exit(1)
+print("joined")
+"""
+
+
+def test_joining_a_loopback_only_head_after_importing_ray_fails_in_seconds(ray_tmp,
+                                                                           loopback_head):
+    """From Python, with Ray imported before: one line naming the address and the fix,
+    instead of Ray's minutes of retries at the machine's own address."""
+    own = own_address_or_skip()
+    port = loopback_head.address.rsplit(":", 1)[1]
+    out = subprocess.run([sys.executable, "-c", _START_AFTER_IMPORT, loopback_head.address],
+                         env=without_loopback_switch(env_for(ray_tmp)), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # Ray alone: minutes
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"the Ray cluster at {loopback_head.address} (--address="
+                           f"{loopback_head.address}) answers on 127.0.0.1 only"), last
+    assert f"through this machine's address {own}:{port}, where nothing answers" in last
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in last  # the fix
+    assert f"ray start --head --node-ip-address={own}" in last  # the other fix
+
+
 def alone_on_the_machine(command: list[str]) -> list[str]:
     """``command`` in a PID namespace of its own, where no other program's Ray runs (Ray's
     ``auto`` joins any running cluster it finds before it reads ``ray_current_cluster``):
