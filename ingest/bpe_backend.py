@@ -57,7 +57,13 @@ import numpy as np
 
 from ingest.bpe_tuetoken import GuardedTuetoken
 from ingest.cache import cached_by_files
-from ingest.private_api import toktok_tokenizer
+from ingest.private_api import (
+    tiktoken_buffer_encoder,
+    tiktoken_pattern,
+    tiktoken_ranks,
+    tiktoken_specials,
+    toktok_tokenizer,
+)
 
 __all__ = ["FASTEST_FIRST", "LONG_PIECE_BYTES", "PROVEN", "FastBPETokenizer", "accelerate",
            "adversarial_texts", "ascii_runs", "checked", "int32_ids", "lists_with_eos",
@@ -144,18 +150,22 @@ def load_encoder(backend: str, encoding: str, reference=None) -> Callable[[str],
     """The backend's encode-ordinary-text call for ``encoding`` (riptoken: for the tiktoken
     tokenizer ``reference``, whose ranks it is built from)."""
     if backend == "riptoken":
-        return _GuardedRiptoken(reference._enc).encode_ordinary
+        return _GuardedRiptoken(reference.encoding).encode_ordinary
     if backend == "tuetoken":
         return _guarded_tuetoken(reference).encode_ordinary
     if backend == "toktok":
         return _ascii_toktok(encoding, reference).encode_ordinary
     if backend == "rs_bpe":
-        from rs_bpe.bpe import openai  # noqa: PLC0415 (optional, loaded on demand)
-
+        try:
+            from rs_bpe.bpe import openai  # noqa: PLC0415 (the fast-bpe extra)
+        except ImportError as e:
+            raise ImportError(f"rs_bpe is not installed ({e})") from e
         return getattr(openai, encoding)().encode
     if backend == "bpe_openai":
-        import bpe_openai  # noqa: PLC0415
-
+        try:
+            import bpe_openai  # noqa: PLC0415 (the fast-bpe extra)
+        except ImportError as e:
+            raise ImportError(f"bpe_openai is not installed ({e})") from e
         return bpe_openai.get_encoding(encoding).encode_ordinary
     raise ValueError(f"tokenizer_backend={backend!r} is unknown; use 'auto', 'tiktoken' or one "
                      f"of {list(FASTEST_FIRST)}")
@@ -166,7 +176,7 @@ def load_joined_encoder(backend: str, reference) -> Callable[[str, frozenset], o
     a buffer of int32 ids (what ``TiktokenTokenizer.encode_joined`` takes); None where the
     backend has none."""
     if backend == "riptoken":
-        return _GuardedRiptoken(reference._enc).encode
+        return _GuardedRiptoken(reference.encoding).encode
     return None
 
 
@@ -183,7 +193,8 @@ def load_docs_encoder(backend: str, reference
 
 @functools.lru_cache(maxsize=8)
 def _guarded_tuetoken(reference) -> GuardedTuetoken:
-    return GuardedTuetoken(reference, f"{reference.name}-{vocabulary_digest(reference._enc)}")
+    return GuardedTuetoken.of_tiktoken(
+        reference, f"{reference.name}-{vocabulary_digest(reference.encoding)}")
 
 
 def _runs(text: str, sep: str, key: Callable[[str], bool]) -> Iterator[tuple[bool, str]]:
@@ -277,10 +288,12 @@ def ascii_runs(text: str) -> list[tuple[bool, str]]:
 @functools.lru_cache(maxsize=8)
 def _riptoken_core(encoding):
     """riptoken's encoder of a tiktoken ``Encoding``: its ranks, special tokens and pattern."""
-    import riptoken  # noqa: PLC0415 (optional, loaded on demand)
-
-    return riptoken.CoreBPE(encoding._mergeable_ranks, encoding._special_tokens,
-                            encoding._pat_str)
+    try:
+        import riptoken  # noqa: PLC0415 (the fast-bpe extra)
+    except ImportError as e:
+        raise ImportError(f"riptoken is not installed ({e})") from e
+    return riptoken.CoreBPE(tiktoken_ranks(encoding), tiktoken_specials(encoding),
+                            tiktoken_pattern(encoding))
 
 
 class _GuardedRiptoken:
@@ -288,11 +301,11 @@ class _GuardedRiptoken:
 
     def __init__(self, encoding):
         self._fast = _riptoken_core(encoding)
-        self._tiktoken = encoding._core_bpe
+        self._tiktoken = tiktoken_buffer_encoder(encoding)
 
     def encode_ordinary(self, text: str) -> Sequence[int]:
         if long_piece_possible(text):
-            return self._tiktoken.encode_ordinary(text)
+            return np.frombuffer(self._tiktoken(text, _NO_SPECIALS), dtype=np.int32)
         return self._fast.encode_ordinary(text)
 
     def encode(self, text: str, allowed: frozenset) -> np.ndarray:
@@ -302,11 +315,11 @@ class _GuardedRiptoken:
         if not long_piece_possible(text):
             return self._riptoken(text, allowed)
         if len(allowed) != 1:
-            return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, allowed),
+            return np.frombuffer(self._tiktoken(text, allowed),
                                  dtype=np.int32)
         (sep,) = allowed  # the end-of-document token that joins a call's documents
         return np.concatenate([
-            np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(segment, allowed),
+            np.frombuffer(self._tiktoken(segment, allowed),
                           dtype=np.int32) if long else self._riptoken(segment, allowed)
             for long, segment in _runs(text, sep, long_piece_possible)])
 
@@ -328,7 +341,7 @@ class _AsciiToktok:
     def __init__(self, encoding: str, reference):
         self._fast = toktok_tokenizer(encoding)
         self._reference = reference
-        self._tiktoken = reference._enc._core_bpe
+        self._tiktoken = tiktoken_buffer_encoder(reference.encoding)
         try:
             self._other = load_encoder("rs_bpe", encoding)
         except ImportError:
@@ -350,7 +363,7 @@ class _AsciiToktok:
 
     def _other_lines(self, text: str) -> np.ndarray:
         if self._other is None:
-            return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, _NO_SPECIALS),
+            return np.frombuffer(self._tiktoken(text, _NO_SPECIALS),
                                  dtype=np.int32)
         ids = self._other(text)
         return int32_ids(ids, len(ids))
@@ -473,20 +486,82 @@ def checked(reference, backend: str, encoding: str, fast: FastBPETokenizer) -> s
     ones (every worker) read it."""
     files = [__file__] + [f for f in map(
         _module_file, (*_LIBRARY_MODULES[backend], "tiktoken._tiktoken")) if f]
-    kind = f"backend-checks/{backend}-{encoding}-{vocabulary_digest(reference._enc)}"
+    kind = f"backend-checks/{backend}-{encoding}-{vocabulary_digest(reference.encoding)}"
     return cached_by_files(kind, files, lambda: self_check(reference, fast._encode, fast=fast),
                            what=f"the check of {backend}'s ids against tiktoken's ({encoding})")
 
 
+def _pattern_or_none(encoding) -> str | None:
+    try:
+        return tiktoken_pattern(encoding)
+    except ImportError:
+        return None
+
+
 def vocabulary_digest(encoding) -> str:
     """A digest of a tiktoken encoding's ranks, pattern and special tokens (about 10 ms)."""
-    ranks = encoding._mergeable_ranks
-    h = hashlib.sha256(repr((encoding._pat_str, sorted(encoding._special_tokens.items())))
-                       .encode())
+    ranks = tiktoken_ranks(encoding)
+    h = hashlib.sha256(repr((_pattern_or_none(encoding),
+                             sorted(tiktoken_specials(encoding).items()))).encode())
     h.update(np.fromiter(map(len, ranks), dtype=np.int32, count=len(ranks)).tobytes())
     h.update(b"".join(ranks))
     h.update(np.fromiter(ranks.values(), dtype=np.int64, count=len(ranks)).tobytes())
     return h.hexdigest()[:16]
+
+
+def accelerate_hf(reference, backend: str):
+    """``reference`` (a HF ``tokenizer.json`` on HF tokenizers) on tuetoken where its family
+    is proven (``bpe_tuetoken.hf_family``) and tuetoken gives HF's ids on the probe texts.
+
+    Args:
+      reference: an ``ingest.tokenize.HFTokenizer``.
+      backend: ``auto``, ``tiktoken`` (the reference library: HF tokenizers) or ``tuetoken``.
+
+    Returns:
+      A ``FastBPETokenizer`` on tuetoken, or ``reference`` itself.
+
+    Raises:
+      ValueError: another backend, or ``tuetoken`` named for a file it is not proven on or
+        without its library.
+    """
+    if backend in ("tiktoken", "hf"):
+        return reference
+    if backend not in ("auto", "tuetoken"):
+        raise ValueError(f"tokenizer_backend={backend!r} does not run HF tokenizer.json files "
+                         f"(tokenizer={reference.name!r}); use tokenizer_backend: auto, "
+                         f"tuetoken or tiktoken (HF tokenizers itself)")
+    if reference.family is None:
+        if backend == "tuetoken":
+            raise ValueError(f"tokenizer_backend='tuetoken' is not proven on "
+                             f"tokenizer={reference.name!r} (its normalizer, pre-tokenizer or "
+                             f"model is not one of a proven family: GPT-2, GPT-NeoX/OLMo, "
+                             f"Llama 3, Qwen2); use tokenizer_backend: auto")
+        log.info("tokenizer %s runs on HF tokenizers (no faster backend is proven on its "
+                 "pre-tokenizer)", reference.name)
+        return reference
+    try:
+        guarded = GuardedTuetoken(reference.path, reference.encode_one, reference.eos_id,
+                                  reference.literal)
+    except ImportError as e:
+        if backend == "tuetoken":
+            raise ValueError(f"tokenizer_backend='tuetoken' needs its library: pip install "
+                             f"tuetoken ({e})") from e
+        return reference
+    fast = FastBPETokenizer(reference, "tuetoken", guarded.encode_ordinary,
+                            encode_docs=guarded.encode_docs)
+    files = [__file__, reference.path] + [f for f in map(
+        _module_file, (*_LIBRARY_MODULES["tuetoken"], "tokenizers.tokenizers")) if f]
+    bad = cached_by_files(
+        f"backend-checks/tuetoken-hf-{reference.family}", files,
+        lambda: self_check(reference, fast._encode, fast=fast),
+        what=f"the check of tuetoken's ids against HF tokenizers' ({reference.name})")
+    if bad is not None:
+        log.warning("tokenizer %s: backend tuetoken gave ids that differ from HF tokenizers' "
+                    "on %s; using HF tokenizers", reference.name, bad)
+        return reference
+    log.info("tokenizer %s (%s family) runs on tuetoken (ids checked against HF tokenizers)",
+             reference.name, reference.family)
+    return fast
 
 
 def accelerate(reference, spec: str, backend: str):
