@@ -196,7 +196,7 @@ def test_tuetoken_gives_tiktoken_ids_on_every_code_point(tmp_path, monkeypatch):
     texts = _code_points_in_contexts()
     want_tokens, want_eos = reference.encode_docs(texts)
     monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))  # its own tokenizer.json
-    raw = tuetoken.Tokenizer(tokenizer_json(reference._enc, "gpt2"))
+    raw = tuetoken.Tokenizer(tokenizer_json(reference.encoding, "gpt2"))
     assert (tmp_path / "tuetoken" / "gpt2.json").is_file()
     out = raw.encode_ordinary_to_buffer(texts, 1)
     want = np.split(want_tokens, want_eos + 1)[:-1]
@@ -217,7 +217,7 @@ def test_tuetoken_is_not_used_past_the_unicode_it_is_proven_on(monkeypatch, requ
     bpe_backend._guarded_tuetoken.cache_clear()  # made again, and refused
     request.addfinalizer(bpe_backend._guarded_tuetoken.cache_clear)
     with pytest.raises(ImportError, match="newer than the 13.0"):
-        bpe_tuetoken.GuardedTuetoken(reference, "gpt2-test")
+        bpe_tuetoken.GuardedTuetoken.of_tiktoken(reference, "gpt2-test")
     assert accelerate(reference, "gpt2", "auto").backend == "riptoken"
     with pytest.raises(ValueError, match="needs its library"):
         accelerate(reference, "gpt2", "tuetoken")

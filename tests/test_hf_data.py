@@ -197,11 +197,12 @@ def test_a_cl100k_tiktoken_file_has_cl100ks_end_of_text_id(tmp_path):
     np.testing.assert_array_equal(tokens, builtin.encode_docs(TEXTS)[0])
 
 
-def test_an_unknown_tiktoken_vocabulary_takes_the_id_after_its_highest_rank(tmp_path):
+def test_an_unknown_tiktoken_vocabulary_is_refused_not_guessed(tmp_path):
     ranks = _gpt2_ranks()
     ranks = {t: r for t, r in ranks.items() if r < 50000}  # not a known encoding any more
-    tok = load_tokenizer(_write_ranks(tmp_path / "small.tiktoken", ranks))
-    assert tok.eos_id == 50000
+    with pytest.raises(ValueError, match=r"not one of the vocabularies known here.*"
+                                         r"pattern nor the special tokens.*tokenizer\.json"):
+        load_tokenizer(_write_ranks(tmp_path / "small.tiktoken", ranks))
 
 
 GARBLED = [
