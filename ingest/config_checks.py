@@ -84,9 +84,9 @@ def _tokenizer_problems(cfg: Any) -> list[str]:
                         f"model folder holding one, or a path to a .tiktoken file")
     if cfg.bos is not None and not isinstance(cfg.bos, bool) and not (
             isinstance(cfg.bos, int) and cfg.bos >= 0):
-        problems.append(f"bos={cfg.bos!r} must be null (as the tokenizer's configuration "
-                        f"says), false, true (the tokenizer's own beginning-of-document "
-                        f"token) or a token id >= 0")
+        problems.append(f"bos={cfg.bos!r} must be false, true (the tokenizer's own "
+                        f"beginning-of-document token), a token id >= 0, or null (as the "
+                        f"tokenizer's own configuration says)")
     return problems
 
 
