@@ -23,11 +23,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ingest.bpe_common import Backend, Encoders, vocabulary_digest
 from ingest.cache import cache_root, cached_by_files, made_once, write_atomically
 from ingest.private_api import tiktoken_buffer_encoder, tiktoken_ranks, tiktoken_specials
 
-__all__ = ["UNICODE_16_LETTERS_AND_DIGITS", "GuardedTuetoken", "hf_family", "needs_tiktoken",
-           "tokenizer_json"]
+__all__ = ["BACKEND", "UNICODE_16_LETTERS_AND_DIGITS", "GuardedTuetoken", "hf_family",
+           "needs_tiktoken", "tokenizer_json"]
 
 log = logging.getLogger("ingest.tokenize")
 
@@ -258,3 +259,21 @@ class GuardedTuetoken:
         ends = offsets[1:]
         return (np.insert(ids, ends, np.int32(self._eos_id)),
                 ends + np.arange(len(texts), dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded_tuetoken(reference) -> GuardedTuetoken:
+    return GuardedTuetoken.of_tiktoken(
+        reference, f"{reference.name}-{vocabulary_digest(reference.encoding)}")
+
+
+def _load(reference, encoding: str) -> Encoders:
+    guarded = _guarded_tuetoken(reference)
+    return Encoders(encode=guarded.encode_ordinary, encode_docs=guarded.encode_docs)
+
+
+BACKEND = Backend(
+    name="tuetoken", proven={"gpt2": "gpt2"}, load=_load,
+    guard="texts holding a letter or digit new in Unicode 16, or an unassigned character, go "
+          "to the reference",
+    modules=("tuetoken._core",), package="tuetoken")

@@ -101,9 +101,11 @@ class Config:
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
       tokenizer_backend: the library that runs the tokenizer: ``auto`` (the fastest one
-        proven to give tiktoken's ids for this vocabulary, else tiktoken), ``tiktoken``,
-        ``toktok``, ``rs_bpe`` or ``bpe_openai`` (cl100k only), ``tuetoken`` or ``riptoken``
-        (gpt2 only; see ``ingest.bpe_backend``). The ids, and
+        proven to give the reference's ids for this vocabulary, else the reference),
+        ``tiktoken`` (the reference: tiktoken, or HF tokenizers for a ``tokenizer.json``),
+        ``toktok``, ``rs_bpe`` or ``bpe_openai`` (cl100k only), ``tuetoken`` (gpt2 and the
+        ``tokenizer.json`` files of proven families) or ``riptoken`` (gpt2 only; see
+        ``ingest.bpe_backend``). The ids, and
         so the batches, are the same with every backend. Runtime only.
       workers: Ray worker actors (one CPU each). Runtime only.
       chunk_rows: rows per stream per actor call. Null (default): about 1M tokens a call
