@@ -141,7 +141,7 @@ def _module_file(name: str) -> str | None:
 def checked(reference, backend: str, encoding: str, fast: FastBPETokenizer) -> str | None:
     """``self_check``'s verdict on ``fast`` (``backend`` running its ``encoding``), kept in
     the cache folder (``ingest.cache``) by both, the vocabulary, and the files of both
-    libraries and of this module: the first process on a machine runs it (about 0.3 s), later
+    libraries and of this module: the first process on a machine runs it, later
     ones (every worker) read it."""
     files = [__file__] + [f for f in map(
         _module_file, (*REGISTRY[backend].modules, f"ingest.bpe_{backend.replace('_', '')}",
@@ -307,7 +307,7 @@ def adversarial_texts(n: int, seed: int = 0) -> list[str]:
 
 def probe_texts() -> list[str]:
     """The load-time self-check's texts: every fixed piece, and a few hundred generated ones
-    (about 40 ms to encode with tiktoken)."""
+    (a small share of a worker's start)."""
     return list(_probe_texts())
 
 

@@ -67,8 +67,7 @@ class Backend:
 
 def int32_ids(ids: Iterable[int], count: int) -> np.ndarray:
     """``count`` ids, a backend's Python ints (or an array of them), as int32. Most backends
-    return lists; struct packs them in about two thirds of numpy's time (a list of 840k GPT-2
-    ids: 22 against 35 ns an id, next to riptoken's 177 for encoding them)."""
+    return lists; struct packs them faster than numpy converts a list."""
     if isinstance(ids, np.ndarray):
         return ids.astype(np.int32, copy=False)
     return np.frombuffer(struct.pack(f"{count}i", *ids), dtype=np.int32)
@@ -96,7 +95,7 @@ def _pattern_or_none(encoding) -> str | None:
 
 
 def vocabulary_digest(encoding) -> str:
-    """A digest of a tiktoken encoding's ranks, pattern and special tokens (about 10 ms)."""
+    """A digest of a tiktoken encoding's ranks, pattern and special tokens (cheap next to the self-check it keys)."""
     ranks = tiktoken_ranks(encoding)
     h = hashlib.sha256(repr((_pattern_or_none(encoding),
                              sorted(tiktoken_specials(encoding).items()))).encode())

