@@ -166,7 +166,7 @@ def accelerate_hf(reference, backend: str):
       ValueError: another backend, or ``tuetoken`` named for a file it is not proven on or
         without its library.
     """
-    if backend in ("tiktoken", "hf"):
+    if backend == "tiktoken":
         return reference
     if backend not in ("auto", "tuetoken"):
         raise ValueError(f"tokenizer_backend={backend!r} does not run HF tokenizer.json files "
