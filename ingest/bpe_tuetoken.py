@@ -19,13 +19,16 @@ import logging
 import os
 import tempfile
 import unicodedata
+from collections.abc import Callable
 
 import numpy as np
 
+from ingest.bpe_common import Backend, Encoders, vocabulary_digest
 from ingest.cache import cache_root, cached_by_files, made_once, write_atomically
+from ingest.private_api import tiktoken_buffer_encoder, tiktoken_ranks, tiktoken_specials
 
-__all__ = ["UNICODE_16_LETTERS_AND_DIGITS", "GuardedTuetoken", "needs_tiktoken",
-           "tokenizer_json"]
+__all__ = ["BACKEND", "UNICODE_16_LETTERS_AND_DIGITS", "GuardedTuetoken", "hf_family",
+           "needs_tiktoken", "tokenizer_json"]
 
 log = logging.getLogger("ingest.tokenize")
 
@@ -46,7 +49,7 @@ NEWEST_UNICODE = (16, 0)
 @functools.cache
 def _tiktoken_only() -> np.ndarray:
     """A flag per code point: True where a text holding it goes to tiktoken. Made once per
-    machine and Unicode version (about 0.2 s), kept in the cache folder (read: 1 ms)."""
+    machine and Unicode version, kept in the cache folder (reading it is cheaper than making it)."""
     bits = cached_by_files(f"tuetoken-guard-{unicodedata.unidata_version}", [__file__],
                            _tiktoken_only_bits,
                            what="the table of the characters tuetoken is not used on")
@@ -64,7 +67,7 @@ def _tiktoken_only_bits() -> np.ndarray:
 
 def needs_tiktoken(texts: list[str]) -> list[int]:
     """The indices of ``texts`` that hold a character tuetoken may split otherwise: all but
-    the ASCII ones are looked up, at about 300 M characters a second."""
+    the ASCII ones are looked up in a table of every code point (numpy passes)."""
     other = [i for i, t in enumerate(texts) if not t.isascii()]
     if not other:
         return []
@@ -105,7 +108,7 @@ def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | No
 def tokenizer_json(encoding, name: str) -> str:
     """The path of a HF ``tokenizer.json`` for the GPT-2 tiktoken ``encoding`` (its ranks as
     a byte-level BPE: vocabulary, merges in rank order, GPT-2's pre-tokenizer), written to
-    the cache folder by vocabulary ``name`` once (1.4 - 1.7 s for GPT-2 on 2 CPUs), else to a
+    the cache folder by vocabulary ``name`` once, else to a
     temporary file."""
     path = os.path.join(cache_root(), "tuetoken", f"{name}.json")
     if os.path.exists(path):
@@ -126,7 +129,7 @@ def tokenizer_json(encoding, name: str) -> str:
 
 
 def _tokenizer_spec(encoding) -> dict:
-    ranks = encoding._mergeable_ranks
+    ranks = tiktoken_ranks(encoding)
     alphabet = _bytes_to_unicode()
 
     def text(token: bytes) -> str:
@@ -145,43 +148,110 @@ def _tokenizer_spec(encoding) -> dict:
             "decoder": {"type": "ByteLevel"},
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False,
                               "rstrip": False, "normalized": False, "special": True}
-                             for s, i in encoding._special_tokens.items()]}
+                             for s, i in tiktoken_specials(encoding).items()]}
+
+
+# The pre-tokenizers of HF ``tokenizer.json`` files tuetoken is proven on (tests/
+# test_hf_fast.py: a differential test against HF tokenizers per family). Their patterns class
+# characters by letter, digit and whitespace only, so the letters and digits of
+# ``UNICODE_16_LETTERS_AND_DIGITS`` and the unassigned characters are all a guard needs.
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PROVEN_SPLIT_PATTERNS = {_LLAMA3_PATTERN: "llama3", _QWEN2_PATTERN: "qwen2"}
+_BYTE_LEVEL_ALONE = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+_BYTE_LEVEL_AFTER_SPLIT = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+
+
+def _has(node: object, want: dict) -> bool:
+    return isinstance(node, dict) and all(node.get(k) == v for k, v in want.items())
+
+
+def hf_family(spec: dict) -> str | None:
+    """The family of a parsed ``tokenizer.json`` that tuetoken is proven on (``gpt2``: a
+    byte-level BPE with GPT-2's own pre-tokenizer, as GPT-2, GPT-NeoX and OLMo; ``llama3``,
+    ``qwen2``: a split by that family's pattern, then bytes), else None: another model,
+    normalizer (Qwen2's NFC is allowed: its texts are normalized the same way by both),
+    pre-tokenizer, or BPE options tuetoken does not take."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout") \
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return None
+    if spec.get("normalizer") not in (None, {"type": "NFC"}):
+        return None
+    pre = spec.get("pre_tokenizer")
+    if _has(pre, _BYTE_LEVEL_ALONE):
+        return "gpt2" if spec.get("normalizer") is None else None
+    if not (_has(pre, {"type": "Sequence"}) and len(pre.get("pretokenizers", ())) == 2):
+        return None
+    split, byte_level = pre["pretokenizers"]
+    if not (_has(split, {"type": "Split", "behavior": "Isolated", "invert": False})
+            and _has(byte_level, _BYTE_LEVEL_AFTER_SPLIT)):
+        return None
+    return PROVEN_SPLIT_PATTERNS.get((split.get("pattern") or {}).get("Regex"))
 
 
 class GuardedTuetoken:
-    """tuetoken on texts where its ids are proven, tiktoken's own core on the others; both
-    give int32 arrays (tuetoken's uint32 ids, viewed)."""
+    """tuetoken on texts where its ids are proven, the reference library on the others; both
+    give int32 arrays (tuetoken's uint32 ids, viewed).
 
-    def __init__(self, reference, name: str):
-        import tuetoken  # noqa: PLC0415 (optional, loaded on demand)
+    Args:
+      path: the ``tokenizer.json`` tuetoken loads.
+      reference: ``encode(text) -> int32 ids`` of the reference library (ordinary text).
+      eos_id: the id put after each document by ``encode_docs``.
+      literal: strings a text must not hold to go to tuetoken (a HF file's added tokens that
+        are not special: HF splits them out of ordinary text).
+    """
+
+    def __init__(self, path: str, reference: Callable[[str], np.ndarray], eos_id: int,
+                 literal: tuple[str, ...] = ()):
+        try:
+            import tuetoken  # noqa: PLC0415 (its wheels cover a few platforms only)
+        except ImportError as e:
+            raise ImportError(f"tuetoken is not installed ({e})") from e
 
         if tuple(map(int, unicodedata.unidata_version.split(".")[:2])) > NEWEST_UNICODE:
             raise ImportError(f"this Python's Unicode {unicodedata.unidata_version} is newer "
                               f"than the {'.'.join(map(str, NEWEST_UNICODE))} tuetoken's "
                               f"ids are proven against")
-        self._fast = tuetoken.Tokenizer(tokenizer_json(reference._enc, name))
-        self._tiktoken = reference._enc._core_bpe
-        self._eos_id = reference.eos_id
+        self._fast = tuetoken.Tokenizer(path)
+        self._reference = reference
+        self._eos_id = eos_id
+        self._literal = literal
+
+    @classmethod
+    def of_tiktoken(cls, reference, name: str) -> GuardedTuetoken:
+        """For the tiktoken tokenizer ``reference`` (GPT-2): a ``tokenizer.json`` made from
+        its ranks (``tokenizer_json``), tiktoken's core on the other texts."""
+        buffer = tiktoken_buffer_encoder(reference.encoding)
+        return cls(tokenizer_json(reference.encoding, name),
+                   lambda text: np.frombuffer(buffer(text, frozenset()), dtype=np.int32),
+                   reference.eos_id)
+
+    def _needs_reference(self, texts: list[str]) -> list[int]:
+        out = needs_tiktoken(texts)
+        if self._literal:
+            flagged = set(out)
+            out = sorted(flagged | {i for i, t in enumerate(texts)
+                                    if any(s in t for s in self._literal)})
+        return out
 
     def encode_ordinary(self, text: str) -> np.ndarray:
-        if not text.isascii() and needs_tiktoken([text]):
-            return self._ordinary_tiktoken(text)
+        if (not text.isascii() or self._literal) and self._needs_reference([text]):
+            return self._reference(text)
         return np.frombuffer(self._fast.encode_to_bytes(text), dtype=np.int32)
-
-    def _ordinary_tiktoken(self, text: str) -> np.ndarray:
-        return np.frombuffer(self._tiktoken.encode_to_tiktoken_buffer(text, frozenset()),
-                             dtype=np.int32)
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """``Tokenizer.encode_docs``: each document's ordinary ids and the end-of-document id
         after it, in one call (on one thread); the index of each EOS."""
         out = self._fast.encode_ordinary_to_buffer(texts, 1)
         ids, offsets = out["data"].view(np.int32), out["offsets"]
-        other = needs_tiktoken(texts)
+        other = self._needs_reference(texts)
         if other:
             parts = [ids[offsets[i]:offsets[i + 1]] for i in range(len(texts))]
             for i in other:
-                parts[i] = self._ordinary_tiktoken(texts[i])
+                parts[i] = self._reference(texts[i])
             ids = np.concatenate(parts)
             offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
         # ingest.tokenize.with_eos's layout (this module is below it): an EOS after each
@@ -189,3 +259,21 @@ class GuardedTuetoken:
         ends = offsets[1:]
         return (np.insert(ids, ends, np.int32(self._eos_id)),
                 ends + np.arange(len(texts), dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded_tuetoken(reference) -> GuardedTuetoken:
+    return GuardedTuetoken.of_tiktoken(
+        reference, f"{reference.name}-{vocabulary_digest(reference.encoding)}")
+
+
+def _load(reference, encoding: str) -> Encoders:
+    guarded = _guarded_tuetoken(reference)
+    return Encoders(encode=guarded.encode_ordinary, encode_docs=guarded.encode_docs)
+
+
+BACKEND = Backend(
+    name="tuetoken", proven={"gpt2": "gpt2"}, load=_load,
+    guard="texts holding a letter or digit new in Unicode 16, or an unassigned character, go "
+          "to the reference",
+    modules=("tuetoken._core",), package="tuetoken")

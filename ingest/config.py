@@ -66,7 +66,10 @@ class Config:
       tokenizer: ``gpt2``, ``cl100k``, a path to a HF ``tokenizer.json``, to a local Hugging
         Face model folder holding one, or to a ``.tiktoken`` file.
       bos: a beginning-of-document id before every document (Llama-style pretraining):
-        ``false`` (none), ``true`` (the tokenizer's own BOS token) or an id.
+        null (default: as the tokenizer's own configuration says, as HF tokenizers does:
+        a model folder's ``add_bos_token``, else its ``tokenizer.json``'s post-processor;
+        none for tiktoken vocabularies), ``false`` (none), ``true`` (the tokenizer's own BOS
+        token) or an id.
       seq_len: tokens per row.
       global_batch_size: rows per step (B), over all hosts.
       num_streams: S, the number of deterministic streams; must divide B. Fixed for a run:
@@ -100,9 +103,11 @@ class Config:
       on_bad_document: ``error`` or ``skip`` (counted) for null, empty or non-UTF-8 texts.
       on_bad_file: ``error`` or ``skip`` (counted) for unreadable or corrupt files.
       tokenizer_backend: the library that runs the tokenizer: ``auto`` (the fastest one
-        proven to give tiktoken's ids for this vocabulary, else tiktoken), ``tiktoken``,
-        ``toktok``, ``rs_bpe`` or ``bpe_openai`` (cl100k only), ``tuetoken`` or ``riptoken``
-        (gpt2 only; see ``ingest.bpe_backend``). The ids, and
+        proven to give the reference's ids for this vocabulary, else the reference),
+        ``tiktoken`` (the reference: tiktoken, or HF tokenizers for a ``tokenizer.json``),
+        ``toktok``, ``rs_bpe`` or ``bpe_openai`` (cl100k only), ``tuetoken`` (gpt2 and the
+        ``tokenizer.json`` files of proven families) or ``riptoken`` (gpt2 only; see
+        ``ingest.bpe_backend``). The ids, and
         so the batches, are the same with every backend. Runtime only.
       workers: Ray worker actors (one CPU each). Runtime only.
       chunk_rows: rows per stream per actor call. Null (default): about 1M tokens a call
@@ -132,7 +137,7 @@ class Config:
 
     sources: tuple[SourceConfig, ...]
     tokenizer: str = "gpt2"
-    bos: bool | int = False
+    bos: bool | int | None = None
     seq_len: int = 1024
     global_batch_size: int = 32
     num_streams: int = 8
@@ -355,7 +360,7 @@ def streams_per_call_for(streams: int, workers: int, given: int | None = None) -
 # Output fields added after checkpoints existed enter the fingerprint only when set, so a
 # checkpoint saved before they existed still restores under their defaults.
 _OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None, "deal": "units",
-                       "bos": False}
+                       "bos": None}
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

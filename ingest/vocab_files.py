@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import json
 import os
 
 from ingest.cache import cached_by_files
 
-__all__ = ["GPT2_PATTERN", "hf_folder_files", "read_tiktoken_ranks", "tiktoken_file_encoding"]
+__all__ = ["GPT2_PATTERN", "HFFolderFiles", "hf_folder_files", "model_file_error",
+           "read_tiktoken_ranks", "tiktoken_file_encoding"]
 
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base/gpt2 pat_str).
 GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -26,6 +28,8 @@ _O200K_PATTERN = "|".join([
     r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""",
     r"""\s+""",
 ])
+# Ranks are token ids, int32 in the feed's arrays.
+_MAX_RANK = 2**31 - 1
 # OpenAI's encodings by the SHA-256 of their ranks written canonically (one ``base64 rank``
 # line per rank, in rank order: the published files' hashes): name, pattern, special tokens.
 _KNOWN_RANKS = {
@@ -44,16 +48,24 @@ _KNOWN_RANKS = {
 
 def tiktoken_file_encoding(path: str) -> tuple[dict[bytes, int], str, dict[str, int]]:
     """A ``.tiktoken`` file's ranks (checked, cached by the file), pattern and special tokens:
-    those of the OpenAI encoding the ranks are, else ``<|endoftext|>`` after the highest rank
-    and cl100k's pattern over 60,000 ranks, GPT-2's below."""
+    those of the OpenAI encoding the ranks are.
+
+    Raises:
+      ValueError: a damaged file (``read_tiktoken_ranks``), or ranks of another vocabulary,
+        whose pattern and special tokens the file does not hold.
+    """
     ranks = cached_by_files("tiktoken-ranks-checked", [path],
                             lambda: read_tiktoken_ranks(path), what=f"the ranks of {path}")
     known = _KNOWN_RANKS.get(_ranks_hash(ranks))
-    if known is not None:
-        _, pattern, specials = known
-    else:
-        pattern = _CL100K_PATTERN if len(ranks) > 60_000 else GPT2_PATTERN
-        specials = {"<|endoftext|>": max(ranks.values()) + 1}
+    if known is None:
+        raise ValueError(
+            f"tokenizer={path!r}: its {len(ranks)} ranks are not one of the vocabularies "
+            f"known here ({', '.join(k[0] for k in _KNOWN_RANKS.values())}), and a .tiktoken "
+            f"file holds neither the split pattern nor the special tokens (the "
+            f"end-of-document id) its model uses; guessing them would give wrong ids and "
+            f"separators. Give the model's Hugging Face tokenizer.json (or the folder holding "
+            f"it with tokenizer_config.json), which names both")
+    _, pattern, specials = known
     return ranks, pattern, specials
 
 
@@ -93,6 +105,9 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
             raise ValueError(f"{where}: rank {parts[1][:20]!r} is not an integer >= 0; "
                              f"{fix}") from None
         rank = int(parts[1])
+        if rank >= _MAX_RANK:
+            raise ValueError(f"{where}: rank {rank} is too large (a rank is below "
+                             f"{_MAX_RANK}, an id of the vocabulary); {fix}")
         if rank in line_of:
             raise ValueError(f"{where}: rank {rank} was already given on line "
                              f"{line_of[rank]}; ranks must be unique; {fix}")
@@ -118,10 +133,27 @@ def _special_token(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def hf_folder_files(path: str) -> tuple[str, str | None, str | None]:
-    """A local Hugging Face model folder's ``tokenizer.json`` path, and the ``eos_token`` and
-    ``bos_token`` its ``tokenizer_config.json`` (else ``special_tokens_map.json``) names (None
-    where it names none).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFFolderFiles:
+    """What a local Hugging Face model folder says about its tokenizer.
+
+    Attributes:
+      tokenizer_json: the path of its ``tokenizer.json``.
+      eos_token, bos_token: the strings its configs name (None: none named).
+      add_bos_token: its ``tokenizer_config.json``'s ``add_bos_token`` (None: not given; the
+        ``tokenizer.json``'s post-processor decides, as in HF tokenizers).
+    """
+
+    tokenizer_json: str
+    eos_token: str | None
+    bos_token: str | None
+    add_bos_token: bool | None
+
+
+def hf_folder_files(path: str) -> HFFolderFiles:
+    """A local Hugging Face model folder's ``tokenizer.json`` path, and the ``eos_token``,
+    ``bos_token`` and ``add_bos_token`` its ``tokenizer_config.json`` (else
+    ``special_tokens_map.json``) names.
 
     Raises:
       ValueError: no ``tokenizer.json`` in the folder, or a config that is not valid JSON.
@@ -131,9 +163,11 @@ def hf_folder_files(path: str) -> tuple[str, str | None, str | None]:
         present = sorted(os.listdir(path))[:12]
         raise ValueError(
             f"tokenizer={path!r} is a folder without tokenizer.json (it has {present}); give "
-            f"a folder holding a Hugging Face tokenizer.json (models with only a "
-            f"sentencepiece or vocab file need converting: save it with a fast tokenizer)")
-    named: dict[str, str] = {}
+            f"a folder holding a Hugging Face tokenizer.json (a model with only a "
+            f"SentencePiece tokenizer.model needs converting: load it with transformers' "
+            f"AutoTokenizer.from_pretrained(folder) and save_pretrained it, which writes "
+            f"tokenizer.json)")
+    named: dict[str, object] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -144,7 +178,31 @@ def hf_folder_files(path: str) -> tuple[str, str | None, str | None]:
         except (OSError, ValueError) as e:
             raise ValueError(f"tokenizer={path!r}: {name} is not valid JSON ({e}); fix or "
                              f"remove it") from e
+        if not isinstance(cfg, dict):
+            continue
         for role in ("eos_token", "bos_token"):
-            if isinstance(cfg, dict) and (token := _special_token(cfg.get(role))) is not None:
+            if (token := _special_token(cfg.get(role))) is not None:
                 named[role] = token
-    return tok_json, named.get("eos_token"), named.get("bos_token")
+        if isinstance(cfg.get("add_bos_token"), bool):
+            named["add_bos_token"] = cfg["add_bos_token"]
+    return HFFolderFiles(tokenizer_json=tok_json, eos_token=named.get("eos_token"),
+                         bos_token=named.get("bos_token"),
+                         add_bos_token=named.get("add_bos_token"))
+
+
+def model_file_error(path: str) -> ValueError:
+    """The error for a ``.model`` file: a SentencePiece model, or Meta's Llama 3
+    ``tokenizer.model`` (tiktoken ranks), neither of which is loaded directly."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    first = head.split(b"\n", 1)[0].split()
+    if len(first) == 2 and first[1].isdigit():
+        return ValueError(
+            f"tokenizer={path!r} holds tiktoken ranks (Meta's Llama 3 tokenizer.model), "
+            f"without the split pattern and special tokens the model uses; give the model's "
+            f"Hugging Face folder (tokenizer.json and tokenizer_config.json) instead")
+    return ValueError(
+        f"tokenizer={path!r} is a SentencePiece model, which is not loaded directly; convert "
+        f"it to a tokenizer.json (transformers: AutoTokenizer.from_pretrained(folder)"
+        f".save_pretrained(out), or tokenizers' SentencePieceBPETokenizer/"
+        f"SentencePieceUnigramTokenizer) and give the folder holding it")

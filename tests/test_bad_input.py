@@ -37,7 +37,7 @@ from ingest import (
     build_plan,
     load_config,
 )
-from ingest.tokenize import load_tokenizer
+from ingest.tokenize import docs_of, load_tokenizer
 
 EOS = 50256  # gpt2's <|endoftext|>
 
@@ -649,6 +649,9 @@ class _FailsOn:
         if any(self.marker in t for t in texts):
             raise RuntimeError("tokenizer panicked")
         return self._tok.encode_batch(texts)
+
+    def encode_docs(self, texts):
+        return docs_of(self.encode_batch(texts), self.eos_id)
 
 
 def test_a_document_the_tokenizer_fails_on_is_named_or_skipped_and_counted(tmp_path):

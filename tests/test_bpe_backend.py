@@ -17,27 +17,29 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import make_texts
 
-from ingest import BatchDigest, Config, SourceConfig, bpe_backend
+from ingest import BatchDigest, Config, SourceConfig, bpe_toktok
 from ingest.bpe_backend import (
     FASTEST_FIRST,
-    LONG_PIECE_BYTES,
     PROVEN,
+    REGISTRY,
     FastBPETokenizer,
-    _AsciiToktok,
     accelerate,
     adversarial_texts,
-    ascii_runs,
     checked,
-    load_encoder,
-    load_joined_encoder,
-    long_piece_possible,
     self_check,
 )
+from ingest.bpe_riptoken import LONG_PIECE_BYTES, long_piece_possible
+from ingest.bpe_toktok import _AsciiToktok, ascii_runs
 from ingest.errors import ConfigError
 from ingest.tokenize import TiktokenTokenizer, load_tokenizer
 from jax_side import HostFeed, batch_sharding
 
 BUNDLED = ("gpt2", "cl100k")
+
+
+def load_encoder(backend: str, encoding: str, reference=None):
+    """The backend's encode-ordinary-text call for ``encoding`` (the registry's loader)."""
+    return REGISTRY[backend].load(reference, encoding).encode
 
 
 def stdlib_texts() -> list[str]:
@@ -196,7 +198,7 @@ def test_tuetoken_gives_tiktoken_ids_on_every_code_point(tmp_path, monkeypatch):
     texts = _code_points_in_contexts()
     want_tokens, want_eos = reference.encode_docs(texts)
     monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))  # its own tokenizer.json
-    raw = tuetoken.Tokenizer(tokenizer_json(reference._enc, "gpt2"))
+    raw = tuetoken.Tokenizer(tokenizer_json(reference.encoding, "gpt2"))
     assert (tmp_path / "tuetoken" / "gpt2.json").is_file()
     out = raw.encode_ordinary_to_buffer(texts, 1)
     want = np.split(want_tokens, want_eos + 1)[:-1]
@@ -209,15 +211,14 @@ def test_tuetoken_gives_tiktoken_ids_on_every_code_point(tmp_path, monkeypatch):
 
 
 def test_tuetoken_is_not_used_past_the_unicode_it_is_proven_on(monkeypatch, request):
-    import ingest.bpe_backend as bpe_backend
     import ingest.bpe_tuetoken as bpe_tuetoken
 
     reference = load_tokenizer("gpt2", "tiktoken")
     monkeypatch.setattr(bpe_tuetoken, "NEWEST_UNICODE", (13, 0))  # older than this Python's
-    bpe_backend._guarded_tuetoken.cache_clear()  # made again, and refused
-    request.addfinalizer(bpe_backend._guarded_tuetoken.cache_clear)
+    bpe_tuetoken._guarded_tuetoken.cache_clear()  # made again, and refused
+    request.addfinalizer(bpe_tuetoken._guarded_tuetoken.cache_clear)
     with pytest.raises(ImportError, match="newer than the 13.0"):
-        bpe_tuetoken.GuardedTuetoken(reference, "gpt2-test")
+        bpe_tuetoken.GuardedTuetoken.of_tiktoken(reference, "gpt2-test")
     assert accelerate(reference, "gpt2", "auto").backend == "riptoken"
     with pytest.raises(ValueError, match="needs its library"):
         accelerate(reference, "gpt2", "tuetoken")
@@ -303,8 +304,8 @@ def test_a_document_with_other_characters_is_cut_only_where_cl100k_pieces_end(mo
     fixed = ["abc\né\nxyz", "a\n   é", "a\n\x1cé\nq", "é\n   ", "x\n\n  é\n\n  y", "é\r\ny\n",
              "a\n\xa0é\nz\n \t\nw", "\n\n\n"]
     cuts = 0
-    for least in (bpe_backend._MIN_ASCII_PART, 1):  # 1: every ASCII stretch on its own
-        monkeypatch.setattr(bpe_backend, "_MIN_ASCII_PART", least)
+    for least in (bpe_toktok._MIN_ASCII_PART, 1):  # 1: every ASCII stretch on its own
+        monkeypatch.setattr(bpe_toktok, "_MIN_ASCII_PART", least)
         for text in fixed + others + mixes:
             runs = ascii_runs(text)
             assert "".join(part for _, part in runs) == text
@@ -328,8 +329,15 @@ def test_a_document_with_other_characters_is_cut_only_where_cl100k_pieces_end(mo
 
 def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
     reference = load_tokenizer("cl100k", "tiktoken")
+    import dataclasses
+
     # A real library with a real but different vocabulary (o200k) posing as cl100k.
-    monkeypatch.setitem(PROVEN, "rs_bpe", {"cl100k": "o200k_base"})
+    def pose(name: str) -> None:
+        wrong = dataclasses.replace(REGISTRY[name], proven={"cl100k": "o200k_base"})
+        monkeypatch.setitem(REGISTRY, name, wrong)
+        monkeypatch.setitem(PROVEN, name, wrong.proven)
+
+    pose("rs_bpe")
     assert self_check(reference, load_encoder("rs_bpe", "o200k_base")) is not None
     with caplog.at_level(logging.WARNING, logger="ingest.tokenize"):
         tok = accelerate(reference, "cl100k", "rs_bpe")
@@ -338,7 +346,7 @@ def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
                for r in caplog.records)
     # auto goes on to the next backend that passes (toktok, first, is not refused here).
     assert accelerate(reference, "cl100k", "auto").backend == "toktok"
-    monkeypatch.setitem(PROVEN, "toktok", {"cl100k": "o200k_base"})
+    pose("toktok")
     assert accelerate(reference, "cl100k", "auto").backend == "bpe_openai"
 
 
@@ -352,8 +360,8 @@ def test_the_self_check_runs_once_per_machine_for_a_backend_and_vocabulary(tmp_p
     monkeypatch.setattr(bpe_backend, "self_check",
                         lambda *a, **k: runs.append(a[0].name) or real(*a, **k))
     reference = load_tokenizer("gpt2", "tiktoken")
-    fast = FastBPETokenizer(reference, "riptoken", load_encoder("riptoken", "gpt2", reference),
-                            load_joined_encoder("riptoken", reference))
+    encoders = REGISTRY["riptoken"].load(reference, "gpt2")
+    fast = FastBPETokenizer(reference, "riptoken", encoders.encode, encoders.encode_joined)
     assert checked(reference, "riptoken", "gpt2", fast) is None
     assert checked(reference, "riptoken", "gpt2", fast) is None  # read, not run again
     assert runs == ["gpt2"]

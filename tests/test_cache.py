@@ -67,12 +67,12 @@ def test_a_first_use_logs_each_thing_it_makes_with_its_time_and_folder_and_a_sec
         tmp_path, monkeypatch, caplog, request):
     """A first run on a machine is slower by what it caches; it says what, how long and where,
     and a later run, reading them, says nothing of them."""
-    from ingest import bpe_backend, bpe_tuetoken
+    from ingest import bpe_tuetoken
     from ingest.demo import write_demo_corpus
 
     root = tmp_path / "cache"
     monkeypatch.setenv("INGEST_CACHE_DIR", str(root))
-    caches = (load_tokenizer, bpe_backend._guarded_tuetoken, bpe_tuetoken._tiktoken_only)
+    caches = (load_tokenizer, bpe_tuetoken._guarded_tuetoken, bpe_tuetoken._tiktoken_only)
 
     def fresh_process():
         for c in caches:

@@ -139,10 +139,11 @@ def test_bos_enters_the_fingerprint_only_when_set(tmp_path):
     write_parquet(tmp_path / "a.parquet", make_texts(10, 1))
     base = make_config([tmp_path])
     assert "bos" not in base.output_fields()
-    assert base.replace(bos=False).fingerprint() == base.fingerprint()
-    prints = {base.fingerprint(), base.replace(bos=True).fingerprint(),
-              base.replace(bos=0).fingerprint(), base.replace(bos=1).fingerprint()}
-    assert len(prints) == 4  # bos: 0 is id 0, not false
+    # null (the default) follows the tokenizer's configuration; false is none whatever it says
+    prints = {base.fingerprint(), base.replace(bos=False).fingerprint(),
+              base.replace(bos=True).fingerprint(), base.replace(bos=0).fingerprint(),
+              base.replace(bos=1).fingerprint()}
+    assert len(prints) == 5  # bos: 0 is id 0, not false
     # The default batches are those without the option.
     np.testing.assert_array_equal(all_streams(base)[0],
                                   all_streams(base.replace(bos=False))[0])
@@ -197,11 +198,12 @@ def test_a_cl100k_tiktoken_file_has_cl100ks_end_of_text_id(tmp_path):
     np.testing.assert_array_equal(tokens, builtin.encode_docs(TEXTS)[0])
 
 
-def test_an_unknown_tiktoken_vocabulary_takes_the_id_after_its_highest_rank(tmp_path):
+def test_an_unknown_tiktoken_vocabulary_is_refused_not_guessed(tmp_path):
     ranks = _gpt2_ranks()
     ranks = {t: r for t, r in ranks.items() if r < 50000}  # not a known encoding any more
-    tok = load_tokenizer(_write_ranks(tmp_path / "small.tiktoken", ranks))
-    assert tok.eos_id == 50000
+    with pytest.raises(ValueError, match=r"not one of the vocabularies known here.*"
+                                         r"pattern nor the special tokens.*tokenizer\.json"):
+        load_tokenizer(_write_ranks(tmp_path / "small.tiktoken", ranks))
 
 
 GARBLED = [
