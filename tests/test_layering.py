@@ -267,12 +267,6 @@ KNOWN_PRIVATE_ATTRIBUTES = {"_src", "_private", "_core_bpe", "_mergeable_ranks",
 PUBLIC_UNDERSCORE_ATTRIBUTES = {"_exit", "_asdict", "_replace", "_fields", "_make",
                                 "_field_defaults", "_getframe", "_missing_",
                                 "_generate_next_value_", "_name_", "_value_", "_ignore_"}
-# TEMPORARY, for the lead to delete after merging: the tokenizer modules whose uses of
-# tiktoken's private attributes (`_core_bpe`, `_mergeable_ranks`, `_pat_str`,
-# `_special_tokens`) are being moved into ingest/private_api.py on another branch.
-# test_the_temporary_allowlist_names_only_files_that_still_need_it fails once they are clean.
-PENDING_MOVE_TO_ADAPTERS = {"ingest/bpe_backend.py", "ingest/bpe_tuetoken.py",
-                            "ingest/tokenize.py"}
 SCANNED = (*LAYERS, "benchmarks", "examples", "cluster")
 _PROBES = {"getattr", "hasattr", "setattr", "delattr"}
 
@@ -394,16 +388,8 @@ def test_private_apis_of_other_libraries_are_used_only_through_the_adapters():
     # underscore arguments), ingest.private_api (tokenizer libraries) and
     # benchmarks.private_api (a raylet's gRPC channel) hold every such use, each with a
     # public fallback.
-    found = {f: uses for f, uses in foreign_private_uses_outside_adapters().items()
-             if f not in PENDING_MOVE_TO_ADAPTERS}
-    assert found == {}, "\n".join(f"{f}:{u}" for f, uses in found.items() for u in uses)
-
-
-def test_the_temporary_allowlist_names_only_files_that_still_need_it():
     found = foreign_private_uses_outside_adapters()
-    clean = sorted(f for f in PENDING_MOVE_TO_ADAPTERS if f not in found)
-    assert clean == [], (f"{clean} no longer use private APIs of other libraries: delete them "
-                         f"from PENDING_MOVE_TO_ADAPTERS in tests/test_layering.py")
+    assert found == {}, "\n".join(f"{f}:{u}" for f, uses in found.items() for u in uses)
 
 
 def test_the_adapters_are_where_the_private_uses_are():
