@@ -76,18 +76,13 @@ def demo_config(**overrides) -> Config:
     process would make every row), one worker per CPU; the runtime knobs are the config's
     automatic ones, which give these settings:
 
-    On 2 CPUs, chunks of 128 rows (131k tokens, 1.75 MiB) with two requests in flight per
-    stream: over 3 epochs this fed 8.6 M tokens/s against 6.0 M with 32-row chunks, because
-    Ray's raylet and the host spend a fixed cost per chunk (benchmarks/). Every stream runs
-    out of its chunk at the same step, so the second request in flight is what keeps a
-    consumer with a training step from waiting there (stall 1.4 % against 2.6 % with one,
-    benchmarks/). The object store then holds at most 16 streams x 3 chunks = 84 MiB. One
-    call makes the next chunk of all of a worker's streams (``streams_per_call``, a worker's
-    share): over 3 epochs on 2 CPUs, 13.0 M tokens/s against 10.9 M with a call per chunk,
-    with the same chunks, startup and object-store bound, and the host spends 0.16 of a core
-    against 0.22 (benchmarks/RESULTS.md). On more CPUs a worker serves fewer streams and its
-    chunks grow to keep about 1M tokens a call (1024 rows on 16 workers, within the default
-    1 GiB bound).
+    Chunks of 128 rows, because Ray's raylet and the host spend a fixed cost per chunk.
+    Every stream runs out of its chunk at the same step, so a second request in flight per
+    stream is what keeps a consumer with a training step from waiting there. One call makes
+    the next chunk of all of a worker's streams (``streams_per_call``, a worker's share),
+    which spreads the per-call cost over more tokens. On more CPUs a worker serves fewer
+    streams and its chunks grow to keep about 1M tokens a call, within the default object-store
+    bound. The measured effect of each choice is in benchmarks/RESULTS.md.
     """
     fields = dict(sources=(SourceConfig(paths=(write_demo_corpus(),), text_column="text"),),
                   tokenizer="gpt2", seq_len=1024, global_batch_size=32, num_streams=16,

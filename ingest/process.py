@@ -16,7 +16,7 @@ __all__ = ["claim_cpu", "one_cpu_producer", "prefault_shared", "shared_mapping"]
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Blocks up to this size come from the heap, not from a fresh mapping of their own (glibc's
-# largest on 64-bit); a 128 x 1024 chunk is 1.75 MiB.
+# largest on 64-bit), so that a chunk and its intermediates reuse heap pages.
 MMAP_THRESHOLD = 32 << 20
 # Free memory at the top of the heap kept for the next call, not handed back to the kernel.
 TRIM_THRESHOLD = 256 << 20
@@ -26,11 +26,10 @@ def one_cpu_producer() -> dict[str, bool]:
     """Sets up this process to produce chunks on one CPU; returns what was applied.
 
     Arrow: its compute and decode pool defaults to one thread per core of the machine, and
-    other threads only contend with the other workers; its default allocator (mimalloc) made
-    reading row groups into the row-group cache about 2 x slower here than jemalloc or malloc
-    (0.44 s against 0.2 s over the demo corpus): fresh memory for every group the cache keeps.
+    other threads only contend with the other workers; its default allocator (mimalloc) reads row groups into the row-group cache slower than
+    jemalloc or malloc: fresh memory for every group the cache keeps.
 
-    glibc's malloc: a call's chunks (1.75 MiB each, 14 MiB for eight streams a call) and their
+    glibc's malloc: a call's chunks (about 2 MiB each) and their
     intermediates are freed once Ray has stored them, and by default malloc gives that memory
     back to the kernel (blocks over 128 KiB are mappings of their own, and a heap top with more
     than twice that free is trimmed), so the next call faults every page in again, zeroed. Kept
@@ -157,9 +156,8 @@ def prefault_shared(prefix: str, nbytes: int) -> int:
 
     For Ray's object store (``prefix="plasma"``): it hands out its lowest free addresses first,
     and a worker that stores a chunk on a page its process has not touched yet takes a page
-    fault for it, one that allocates and zeroes the page if no process has. Storing 24 MiB of
-    chunks in one call took 6,180 faults, 15 ms of its 20 ms of storing; with the first pages
-    of the store prefaulted, about 35 faults and 6 ms (the demo's first epoch; RESULTS.md).
+    fault for it, one that allocates and zeroes the page if no process has: most of the time
+    a call spends storing its chunks, unless the first pages of the store are prefaulted.
     The contents stay as they are, so objects already there are safe.
     """
     if nbytes <= 0:

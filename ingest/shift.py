@@ -77,10 +77,9 @@ class RowPieces:
 
     ``add`` notes rows of a chunk's ``tokens`` and ``layout``, ``add_padding`` all-zero rows;
     ``copy_into`` writes them back to back into the rows of a batch's ``batch_groups``: one
-    copy per group, however many pieces, against three per piece copied on its own. A step of
-    16 streams is then 4 numpy calls instead of 48, and the assembling thread lets the
-    interpreter's lock go (numpy drops it inside a copy) 4 times instead of 48, each a chance
-    for another thread to take it and make this one wait for it back.
+    copy per group, however many pieces, against three per piece copied on its own. Each numpy
+    copy lets the interpreter's lock go, a chance for another thread to take it and make the
+    assembling thread wait for it back, so fewer, larger copies keep the step short.
 
     With ``steps`` > 1, the pieces fill that many consecutive batches at once (``[steps, 6,
     rows, seq_len]``): a piece of n rows a step is ``steps x n`` consecutive rows of its
@@ -216,8 +215,7 @@ def concat_fields(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: 
 
     The same rows as ``shift_rows(*concat_rows(tokens, starts, n_rows, seq_len, W), ...)``
     (``ingest.pack``), written straight from the flat sequence: row r holds tokens
-    ``[r * seq_len, (r + 1) * seq_len)``, so no ``[n, W]`` copies are needed (4-6 x faster
-    for 128 rows of 1024). Tokens missing at the end (finite data) become padding.
+    ``[r * seq_len, (r + 1) * seq_len)``, so no ``[n, W]`` copies are needed. Tokens missing at the end (finite data) become padding.
 
     Args:
       tokens: int32 token sequence (documents with EOS, back to back), at least what the rows

@@ -67,9 +67,8 @@ class HostFeed:
       backend: ``ray`` (worker actors; Ray must be initialized) or ``local`` (in-process).
       workers: worker actors (default ``config.workers``); ignored by ``local``.
       plan: the unit plan (built from the config when None).
-      device_prefetch: finished global batches kept ready. With 2, a consumer whose step
-        took 1.25 x the feed's time per batch still waited 3-7 ms each time every stream
-        needed a new chunk at once (16 chunk reads); with 4 it did not (benchmarks/).
+      device_prefetch: finished global batches kept ready: enough to cover the step at which
+        every stream needs a new chunk at once (benchmarks/RESULTS.md).
       get_timeout_s: the longest one chunk may take (ray) before an error names it.
       agreement_timeout_s: with several JAX processes, the longest wait for the others at the
         end-of-data agreement before ``multihost.PeerError`` names those that never came.

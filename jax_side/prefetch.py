@@ -28,13 +28,11 @@ class Handoff:
 
     The consumer's side never wakes the other thread: ``queue.Queue.get`` (and a semaphore
     release) wakes a producer blocked on a full queue from inside the consumer's call, which
-    took 15 us (median; 37 us mean) of every step here, about two thirds of the stall
-    ``ingest bench`` measured. Here the consumer takes a ready batch from a deque (about
-    1 us) and notes the time, and a producer that is ahead polls for room: every eighth of
-    the consumer's shortest recent time between batches, within 1 - 20 ms. A training step
-    of 5 ms is polled every millisecond, one of 200 ms every 20 ms: not a thousand times a
-    second, each taking the GIL, for nothing (under steps of 50 ms the host process used
-    4.7 % of a core with 1 ms polls, 3.1 % with these). The shortest of the last ``_GAPS``
+    puts the wake-up on the consumer's time. Here the consumer takes a ready batch from a
+    deque and notes the time, and a producer that is ahead polls for room: every eighth of
+    the consumer's shortest recent time between batches, within 1 - 20 ms, so that a long
+    training step is not polled a thousand times a second, each poll taking the GIL. The
+    shortest of the last ``_GAPS``
     times keeps a pause (a checkpoint, an evaluation) from slowing the polls after it.
     """
 

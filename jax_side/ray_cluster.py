@@ -52,8 +52,8 @@ _MAX_TEMP_ROOT_CHARS = 40
 # Ray settings of a local cluster. Ray deletes the objects whose last reference is gone in
 # batches, once a second or every 100 objects, so that the messages that free each object's
 # copies on every node go out together. On a cluster of one node there are no such messages,
-# and a batch is up to a second of chunks held beyond the feed's bound (about 28 MiB above 84
-# on the tiny-document bench): each object is deleted as soon as it is released instead.
+# and a batch is up to a second of chunks held beyond the feed's bound: each object is deleted
+# as soon as it is released instead.
 LOCAL_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 0}
 
 
