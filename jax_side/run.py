@@ -353,17 +353,17 @@ class _Progress:
         feed = self._feed
         t0, tokens0, waited0 = self._last
         span = max(1e-9, now - t0)
-        self._last = (now, feed.tokens, feed.wait_s)
-        parts = [f"progress: step {step:,}" + (f" of {self._total:,}" if self._total else ""),
+        self._last = (now, feed.tokens, feed.wait_after_first_s)
+        total = self._total_steps()
+        parts = [f"progress: step {step:,}" + (f" of {total:,}" if total else ""),
                  f"tokens {feed.tokens:,}",
                  f"{run_summary.rate((feed.tokens - tokens0) / span)} tokens/s (last "
-                 f"{span:.0f} s)" if span >= 10 else f"{span:.1f} s)"]
+                 f"{span:.{0 if span >= 10 else 1}f} s)"]
         if self._step_time:
-            parts.append(f"stall {100 * min(1.0, (feed.wait_s - waited0) / span):.1f}%")
+            parts.append(f"stall {100 * min(1.0, (feed.wait_after_first_s - waited0) / span):.1f}%")
         workers = feed.stats()["workers"] if feed.backend == "ray" else None
         if workers is not None:
             parts.append(f"workers {workers}")
-        total = self._total_steps()
         done = feed.steps
         if total is not None and done and total > step:
             elapsed = now - (feed.first_batch_time or now)

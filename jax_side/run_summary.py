@@ -93,7 +93,7 @@ class RunMeter:
                                            f"the pace, not the feed")
             return out
         if self._handoff is None:
-            out["feed_rate_unmeasured"] = ("the data ended before the Ray workers took over: "
+            out["feed_rate_unmeasured"] = ("the run ended before the Ray workers took over: "
                                            "this process made every row")
             return out
         m = steady_window_start(n) or 1
