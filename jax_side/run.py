@@ -136,6 +136,8 @@ def run_command(args) -> int:
     if args.backend == "ray":
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
         workers = cfg.workers if cfg is not None else args.workers
+        if workers is None and isinstance((args.overrides or {}).get("workers"), int):
+            workers = args.overrides["workers"]  # the demo's, checked once it is built
         ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
     held = contextlib.ExitStack()  # the checkpoint directory's lock, for the whole run
     try:
@@ -173,12 +175,11 @@ def run_command(args) -> int:
         if ray_up and ray_started is not None:
             ray_started.join()
         if not ray_up:
-            # Ray's start goes on while this process leaves, and Ray's exit hook then cuts it
-            # short: Ray logs what failed in it (an ERROR, say). The run does not need that
-            # cluster, so Ray's own logger is silenced (its documented "ray" logger).
-            ray_logger = logging.getLogger("ray")
-            ray_logger.setLevel(logging.CRITICAL + 1)
-            ray_logger.disabled = True
+            # Ray's start goes on while this process leaves, and Ray's exit hook (ray.shutdown)
+            # then cuts it short: the start fails halfway and logs so (an ERROR of services.py
+            # whose connection to the cluster was reset under it). The run does not need that
+            # cluster, so Ray's own loggers are silenced, through its documented "ray" logger.
+            logging.getLogger("ray").setLevel(logging.CRITICAL + 1)
         ray = sys.modules.get("ray")  # None where Ray did not import
         if args.backend == "ray" and ray is not None and ray_up:
             # Ray's log monitor prints to stdout asynchronously (worker deaths, say): disconnect
