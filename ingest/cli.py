@@ -1,9 +1,10 @@
 """The ``ingest`` command line: its commands and flags, and their checks.
 
 ``ingest run [CONFIG]`` feeds a mesh of all local devices and reports throughput, waits and a
-digest of every batch. This module only parses; running needs JAX and Ray, so the console
-script is ``jax_side.run:main``, which parses with ``parse_args`` here and then runs. That keeps
-``ingest`` free of any JAX, Ray or jax_side import.
+digest of every batch. This module parses the command line and builds its config
+(``config_from_args``: the file or the demo, with ``--set`` and ``--workers``); running needs
+JAX and Ray, so the console script is ``jax_side.run:main``, which parses here and then runs.
+That keeps ``ingest`` free of any JAX, Ray or jax_side import.
 
 The development and simulation flags of ``run`` (a simulated training step, fault injection,
 several local JAX hosts) are not the user's: ``parse_args(argv, dev=True)`` adds them, for the
@@ -13,12 +14,17 @@ several local JAX hosts) are not the user's: ``parse_args(argv, dev=True)`` adds
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from typing import Any
 
-from ingest.config_yaml import parse_override
+from ingest.config import Config
+from ingest.config_checks import unknown_fields
+from ingest.config_yaml import parse_override, read_yaml_fields
+from ingest.errors import ConfigError
 
-__all__ = ["build_parser", "parse_args"]
+__all__ = ["build_parser", "config_from_args", "parse_args"]
 
 # Progress lines without a terminal: often enough to show a job is alive in `kubectl logs`,
 # rarely enough that a day-long job's log stays readable (about 3,000 lines a day).
@@ -251,6 +257,72 @@ def _overrides(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, A
         out[key] = value
     if bad:
         parser.error("; ".join(bad))
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The config of a command line: ``CONFIG`` (or the demo) with ``--workers`` and every
+    ``--set KEY=VALUE`` applied, checked as a whole as the YAML file is.
+
+    Raises:
+      ConfigError: the file's problems (every one, as for the file alone).
+      ValueError: problems that an override causes, one line naming each ``--set`` item.
+    """
+    overrides = dict(getattr(args, "overrides", None) or {})
+    if args.workers is not None:
+        overrides["workers"] = args.workers
+    if args.config is None:
+        from ingest.demo import demo_config  # noqa: PLC0415 (writes its corpus on first use)
+
+        try:
+            problems = unknown_fields(overrides, {f.name for f in dataclasses.fields(Config)})
+            if "sources" in overrides:
+                problems.append("sources: the demo's corpus is built in; to read other sources, "
+                                "give a CONFIG file")
+            if problems:
+                raise ConfigError(problems, where="the demo config")
+            return demo_config().replace(**overrides) if overrides else demo_config()
+        except ConfigError as e:
+            raise _override_error(e, args) from e
+    raw = read_yaml_fields(args.config)
+    raw.update(overrides)
+    try:
+        return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(args.config)))
+    except ConfigError as e:
+        if any(_mentions(p, key) for p in e.problems for key in overrides):
+            raise _override_error(e, args) from e
+        raise ConfigError(e.problems, where=args.config) from None
+
+
+def _mentions(problem: str, key: str) -> bool:
+    """Whether a config problem is about the field ``key`` (``seq_len=0 must ...``, ``unknown
+    field 'x'; known fields: [...]``, ``... by num_streams=8``, ``sources[0] ...``)."""
+    if problem.startswith("unknown field "):
+        return problem.startswith(f"unknown field {key!r}")
+    return problem.startswith((f"{key}=", f"{key}[", f"{key} ", f"{key}:")) or (
+        f" {key}=" in problem)
+
+
+def _override_error(e: ConfigError, args) -> ValueError:
+    """One line for problems that ``--set`` or ``--workers`` cause: each named after the item
+    that caused it; the file's own problems after them."""
+    given = {k: f"--set {k}={v}" for k, v in _set_items(args).items()}
+    if args.workers is not None:
+        given["workers"] = f"--workers {args.workers}"
+    parts = []
+    for problem in e.problems:
+        items = [item for key, item in given.items() if _mentions(problem, key)]
+        parts.append(f"{', '.join(items)}: {problem}" if items
+                     else f"{args.config or 'the demo config'}: {problem}")
+    return ValueError("; ".join(parts))
+
+
+def _set_items(args) -> dict[str, str]:
+    """Each ``--set`` key with its value as typed (the last of a key)."""
+    out = {}
+    for item in getattr(args, "set", None) or []:
+        key, _, text = item.partition("=")
+        out[key.strip()] = text
     return out
 
 

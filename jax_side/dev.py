@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``ingest-dev`` console script."""
     from jax_side.run import main as run_main  # noqa: PLC0415
 
-    return run_main(argv, dev=True)
+    return run_main(argv, dev=True, make_lab=Lab)
 
 
 if __name__ == "__main__":

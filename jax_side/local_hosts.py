@@ -123,7 +123,7 @@ def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
                 print(f"ingest: error: {failure}", file=sys.stderr)
                 status = code if code > 0 else 128 - code
         if status and args.json and not first_answered:
-            from jax_side.run import print_json_error  # noqa: PLC0415
+            from jax_side.run_summary import print_json_error  # noqa: PLC0415
 
             print_json_error(failure, status)
         return status

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.cli import LOG_EVERY_S
+from ingest.cli import LOG_EVERY_S, config_from_args
 from ingest.config import Config, check_memory
 from ingest.materialize import DEFAULT_SEGMENT_ROWS, MaterializeSummary, materialize
 from ingest.plan import UnitPlan, build_plan, deal_units
@@ -171,9 +171,7 @@ def summary_lines(s: MaterializeSummary) -> list[str]:
 
 def materialize_command(args) -> int:
     """``ingest materialize [CONFIG] --out DIR ...``."""
-    from jax_side.run import build_config  # noqa: PLC0415
-
-    cfg = build_config(args)
+    cfg = config_from_args(args)
     check_memory(cfg, host_batches=0)  # before reading the corpus
     plan = build_plan(cfg)
     started_ray = False

@@ -13,8 +13,6 @@ one JSON object, the summary or, for a run that failed, the error.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -23,12 +21,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from ingest.cli import parse_args
+from ingest.cli import config_from_args, parse_args
 from ingest.config import Config, ConfigError
-from ingest.config_checks import unknown_fields
-from ingest.config_yaml import read_yaml_fields
-from ingest.demo import demo_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, StreamError
 from jax_side import run_summary
@@ -62,76 +58,14 @@ def _process_start_time() -> float:
 _IMPORTED_AT = time.time()
 
 
-def build_config(args) -> Config:
-    """The config of a command line: ``CONFIG`` (or the demo) with ``--workers`` and every
-    ``--set KEY=VALUE`` applied, checked as a whole as the YAML file is.
-
-    Raises:
-      ConfigError: the file's problems (every one, as for the file alone).
-      ValueError: problems that an override causes, one line naming each ``--set`` item.
-    """
-    overrides = dict(getattr(args, "overrides", None) or {})
-    if args.workers is not None:
-        overrides["workers"] = args.workers
-    if args.config is None:
-        try:
-            problems = unknown_fields(overrides, {f.name for f in dataclasses.fields(Config)})
-            if "sources" in overrides:
-                problems.append("sources: the demo's corpus is built in; to read other sources, "
-                                "give a CONFIG file")
-            if problems:
-                raise ConfigError(problems, where="the demo config")
-            return demo_config().replace(**overrides) if overrides else demo_config()
-        except ConfigError as e:
-            raise _override_error(e, args) from e
-    raw = read_yaml_fields(args.config)
-    raw.update(overrides)
-    try:
-        return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(args.config)))
-    except ConfigError as e:
-        if any(_mentions(p, key) for p in e.problems for key in overrides):
-            raise _override_error(e, args) from e
-        raise ConfigError(e.problems, where=args.config) from None
-
-
-def _mentions(problem: str, key: str) -> bool:
-    """Whether a config problem is about the field ``key`` (``seq_len=0 must ...``, ``unknown
-    field 'x'; known fields: [...]``, ``... by num_streams=8``, ``sources[0] ...``)."""
-    if problem.startswith("unknown field "):
-        return problem.startswith(f"unknown field {key!r}")
-    return problem.startswith((f"{key}=", f"{key}[", f"{key} ", f"{key}:")) or (
-        f" {key}=" in problem)
-
-
-def _override_error(e: ConfigError, args) -> ValueError:
-    """One line for problems that ``--set`` or ``--workers`` cause: each named after the item
-    that caused it; the file's own problems after them."""
-    given = {k: f"--set {k}={v}" for k, v in _set_items(args).items()}
-    if args.workers is not None:
-        given["workers"] = f"--workers {args.workers}"
-    parts = []
-    for problem in e.problems:
-        items = [item for key, item in given.items() if _mentions(problem, key)]
-        parts.append(f"{', '.join(items)}: {problem}" if items
-                     else f"{args.config or 'the demo config'}: {problem}")
-    return ValueError("; ".join(parts))
-
-
-def _set_items(args) -> dict[str, str]:
-    """Each ``--set`` key with its value as typed (the last of a key)."""
-    out = {}
-    for item in getattr(args, "set", None) or []:
-        key, _, text = item.partition("=")
-        out[key.strip()] = text
-    return out
-
-
-def run_command(args) -> int:
+def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
+    """Runs ``ingest run``; ``make_lab``: ``ingest-dev``'s ``jax_side.dev.Lab`` (its
+    simulation flags), which this module never imports."""
     t_start = _process_start_time()
 
     # A config file is read before Ray starts (about 10 ms), to size a local cluster; the demo
     # (which writes its corpus on first use) is built while Ray starts.
-    cfg = build_config(args) if args.config else None
+    cfg = config_from_args(args) if args.config else None
     ray_started = None
     if args.backend == "ray":
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
@@ -155,10 +89,8 @@ def run_command(args) -> int:
     start_step = feed.get_state()["step"]
     digest = BatchDigest() if args.digest else None
     lab = None
-    if args.step_time or args.kill_worker_every:
-        from jax_side.dev import Lab  # noqa: PLC0415
-
-        lab = Lab(step_time_s=args.step_time, kill_worker_every_s=args.kill_worker_every)
+    if make_lab is not None and (args.step_time or args.kill_worker_every):
+        lab = make_lab(step_time_s=args.step_time, kill_worker_every_s=args.kill_worker_every)
     meter = run_summary.RunMeter(t_start, start_step=start_step)
     try:
         step = _feed_loop(args, feed, manager, digest, start_step, meter, lab)
@@ -222,7 +154,7 @@ def _open_feed(args, cfg: Config | None, held: contextlib.ExitStack,
     # Before anything touches a JAX device, so that the device list is the global one.
     host_join.initialize(args.coordinator, args.num_hosts, args.host_id)
     if cfg is None:
-        cfg = build_config(args)
+        cfg = config_from_args(args)
     devices = jax.devices()
     if cfg.global_batch_size % len(devices):
         raise DevicesMismatchError(f"global_batch_size={cfg.global_batch_size} is not divisible "
@@ -413,8 +345,10 @@ def prepare_environment(args) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def main(argv: list[str] | None = None, *, dev: bool = False) -> int:
-    """The ``ingest`` console script (with ``dev``, ``ingest-dev``'s: ``jax_side.dev``).
+def main(argv: list[str] | None = None, *, dev: bool = False,
+         make_lab: Callable[..., Any] | None = None) -> int:
+    """The ``ingest`` console script; with ``dev`` and ``make_lab``, ``ingest-dev``'s
+    (``jax_side.dev``).
 
     SIGINT and SIGTERM end it at any point with one line and status ``128 + signal``
     (130 for Ctrl-C), after the cleanups (a local Ray cluster is stopped). With ``--json``,
@@ -427,29 +361,25 @@ def main(argv: list[str] | None = None, *, dev: bool = False) -> int:
     on_main_thread = threading.current_thread() is threading.main_thread()
     try:
         with exit_on_signals() if on_main_thread else contextlib.nullcontext():
-            return _main(argv, dev=dev, as_json=as_json)
+            return _main(argv, dev=dev, as_json=as_json, make_lab=make_lab)
     except SystemExit as e:  # argparse: 0 for --help and --version, 2 for a refused line
         from ingest.cli import refused_command_line  # noqa: PLC0415
 
         if e.code == 2 and as_json and refused_command_line():
-            print_json_error(refused_command_line(), 2)
+            run_summary.print_json_error(refused_command_line(), 2)
         raise
     except KeyboardInterrupt as e:
         code = e.exit_code if isinstance(e, Interrupted) else 128 + signal.SIGINT
         message = f"interrupted ({signal.Signals(code - 128).name}); stopped"
         print(f"ingest: {message}", file=sys.stderr)
         if as_json:
-            print_json_error(message, code)
+            run_summary.print_json_error(message, code)
         _leave_if_distributed(code)
         return code
 
 
-def print_json_error(message: str, code: int) -> None:
-    """The ``--json`` line of a run that failed: ``{"error": ..., "exit_status": ...}``."""
-    print(json.dumps({"error": message, "exit_status": code}), flush=True)
-
-
-def _main(argv: list[str], *, dev: bool, as_json: bool) -> int:
+def _main(argv: list[str], *, dev: bool, as_json: bool,
+          make_lab: Callable[..., Any] | None) -> int:
     args = parse_args(argv, dev=dev)
     prepare_environment(args)
     from jax_side.host_join import ClusterJoinError  # noqa: PLC0415
@@ -461,7 +391,7 @@ def _main(argv: list[str], *, dev: bool, as_json: bool) -> int:
     def fail(message: str, code: int) -> int:
         print(f"ingest: error: {message}", file=sys.stderr)
         if as_json:
-            print_json_error(message, code)
+            run_summary.print_json_error(message, code)
         return code
 
     try:
@@ -474,8 +404,8 @@ def _main(argv: list[str], *, dev: bool, as_json: bool) -> int:
         if args.hosts:
             from jax_side.local_hosts import launch_local_hosts  # noqa: PLC0415
 
-            return launch_local_hosts(argv, args, workers_per_host=build_config(args).workers)
-        return run_command(args)
+            return launch_local_hosts(argv, args, workers_per_host=config_from_args(args).workers)
+        return run_command(args, make_lab=make_lab)
     except DevicesMismatchError as e:
         return fail(str(e), 2)
     except (ConfigError, BadInputError, StreamError, FileNotFoundError, ValueError,
@@ -489,7 +419,7 @@ def _main(argv: list[str], *, dev: bool, as_json: bool) -> int:
         raise
     except BaseException as e:
         if as_json:  # before the traceback, which goes to stderr
-            print_json_error(f"{_host()}{type(e).__name__}: {e}", 1)
+            run_summary.print_json_error(f"{_host()}{type(e).__name__}: {e}", 1)
         _leave_if_distributed(1, print_traceback=True)
         raise
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from jax_side.feed_stats import steady_window_start
 
-__all__ = ["RunMeter", "empty_run_message", "json_safe", "report", "summary_lines"]
+__all__ = ["RunMeter", "empty_run_message", "json_safe", "print_json_error", "report",
+           "summary_lines"]
 
 # Fewer steps than this in the feed rate's window measure chunk boundaries, not a rate.
 MIN_RATE_STEPS = 4
@@ -253,6 +254,11 @@ def report(args, stats: dict[str, Any], start_step: int) -> int:
     if args.json:
         print(json.dumps(stats, sort_keys=True, allow_nan=False), flush=True)
     return status
+
+
+def print_json_error(message: str, code: int) -> None:
+    """The ``--json`` line of a run that failed: ``{"error": ..., "exit_status": ...}``."""
+    print(json.dumps({"error": message, "exit_status": code}), flush=True)
 
 
 def json_safe(x: Any) -> Any:
