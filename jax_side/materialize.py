@@ -196,6 +196,12 @@ def materialize_command(args) -> int:
             ray.shutdown()
     for line in summary_lines(summary):
         print(line, file=sys.stderr)
+    out = dataclasses.asdict(summary)
+    if not summary.complete:
+        out["error"] = (f"{args.out} is incomplete: not every stream reached its end; rerun "
+                        f"the same command to continue it")
+        out["exit_status"] = 1
+        print(f"ingest: error: {out['error']}", file=sys.stderr)
     if args.json:
-        print(json.dumps(dataclasses.asdict(summary), sort_keys=True))
+        print(json.dumps(out, sort_keys=True), flush=True)
     return 0 if summary.complete else 1
