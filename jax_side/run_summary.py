@@ -151,7 +151,7 @@ def _rate_lines(s: dict[str, Any]) -> list[str]:
     lines = []
     if s.get("feed_tokens_per_s"):
         by = ("the Ray workers making the rows" if s["backend"] == "ray"
-              else "this process making the rows (--backend local)")
+              else "this process making the rows: --backend local")
         lines.append(f"feed rate {rate(s['feed_tokens_per_s'])} tokens/s: how fast the feed can "
                      f"go (steps {s['feed_rate_from_step']}-{last}, {by})")
     else:
