@@ -178,7 +178,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"backend {s['backend']}  workers {s['workers']}"
         + (f" ({s['pending_workers']} pending: no CPU for them)" if s.get("pending_workers")
            else "")
-        + (f" (all {s['warm_start_rows']:,} rows made here: the data ended before Ray was up)"
+        + (f" (all {s['warm_start_rows']:,} rows made here: the run ended before Ray was up)"
            if s.get("ray_up") is False else
            f" (the first {s['warm_start_rows']:,} rows made here while Ray started)"
            if s.get("warm_start_rows") else "") + f"  restarts {s['restarts']}  "

@@ -435,7 +435,7 @@ def test_a_run_that_ends_while_its_ray_starts_leaves_at_once_and_its_cluster_is_
         pytest.skip("Ray was up before the second batch on this machine: nothing to check")
     assert s["digest"] == _local_digest(config, 2)
     assert s["warm_start_rows"] > 0 and not s.get("rows_per_s_by_worker"), s
-    assert "the data ended before Ray was up" in proc.stderr
+    assert "the run ended before Ray was up" in proc.stderr
     # The cluster's folder and processes go with the command (its reaper stops them).
     deadline = time.monotonic() + 60
     while True:
