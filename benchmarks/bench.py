@@ -476,7 +476,7 @@ class _Runner:
         deadline = self.timeout + 2 * (self.spec.steps or 2000 * self.spec.epochs) * step_time
         # Ray's object-store figure is polled here, not in the throughput runs: each poll has
         # the raylet query every worker, which cost ours about 15% of its rate on 2 CPUs.
-        out = self.program("jax_side.run",
+        out = self.program("jax_side.dev",
                            [*self.run_args, "--step-time", f"{step_time:.6f}", *flags],
                            "ingest run --step-time", timeout_s=deadline, poll_object_store=True)
         out = {k: out[k] for k in ("error", "command", "steps", "tokens", "tokens_per_s",

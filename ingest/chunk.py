@@ -87,6 +87,8 @@ class SourceStats:
       rows_by_worker: rows received, by worker name.
       rows_by_stream: rows received, by stream.
       started_at: ``time.perf_counter()`` when the source started.
+      warming: this process still makes the chunks while the Ray workers start (the warm
+        start, before its handoff).
     """
 
     num_workers: int = 0
@@ -105,6 +107,7 @@ class SourceStats:
     rows_by_worker: dict[str, int] = dataclasses.field(default_factory=dict)
     rows_by_stream: dict[int, int] = dataclasses.field(default_factory=dict)
     started_at: float = 0.0
+    warming: bool = False
 
 
 class ChunkSource(Protocol):

@@ -1,6 +1,7 @@
 """Reading the feed's config from YAML: a mapping of fields, refused when a key is given twice
 (YAML alone would keep the last one silently); relative paths resolve against the file's
-folder."""
+folder. ``parse_override`` reads one ``KEY=VALUE`` of the command line's ``--set``, the value
+as YAML."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from ingest.errors import ConfigError
 
-__all__ = ["read_yaml_fields", "resolve_path", "resolve_tokenizer"]
+__all__ = ["parse_override", "read_yaml_fields", "resolve_path", "resolve_tokenizer"]
 
 
 def read_yaml_fields(path: str) -> dict[str, Any]:
@@ -37,6 +38,55 @@ def read_yaml_fields(path: str) -> dict[str, Any]:
         raise ConfigError([f"{path} must be a mapping of fields (seq_len: 1024, sources: [...], "
                            f"...), but it holds {_described(raw)}"], where=path)
     return dict(raw or {})
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--set`` as ``(KEY, VALUE read as YAML)``: ``seq_len=512`` gives
+    ``("seq_len", 512)``, ``num_epochs=null`` None, ``sources=[{paths: [d]}]`` a list. The
+    value is read as it would be in the config file (a mapping's key given twice is refused
+    alike); relative paths in ``sources`` and ``tokenizer`` resolve against the current
+    directory, where the command line was typed. Whether KEY is a field and VALUE fits it is
+    checked with the rest of the config.
+
+    Raises:
+      ValueError: no ``=``, an empty KEY, or a VALUE that is not valid YAML, naming the item.
+    """
+    import yaml
+
+    key, eq, text = item.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise ValueError(f"--set {item!r} must be KEY=VALUE, e.g. --set seq_len=512")
+    loader = _strict_loader(yaml)(text)
+    try:
+        value = loader.get_single_data()
+    except yaml.YAMLError as e:
+        detail = " ".join(str(e).split())
+        raise ValueError(f"--set {item}: the value is not valid YAML ({detail}); quote it "
+                         f"for the shell, e.g. --set '{key}=[a, b]'") from e
+    finally:
+        loader.dispose()
+    if loader.duplicates:
+        raise ValueError(f"--set {item}: key {loader.duplicates[0][0]!r} is given twice in the "
+                         f"value; remove one")
+    base = os.getcwd()
+    if key == "tokenizer" and isinstance(value, str):
+        value = resolve_tokenizer(value, base)
+    elif key == "sources" and isinstance(value, list):
+        value = [_absolute_paths(s, base) for s in value]
+    return key, value
+
+
+def _absolute_paths(source: Any, base: str) -> Any:
+    """A source mapping of ``--set sources=...`` with its relative ``paths`` made absolute."""
+    if not isinstance(source, dict):
+        return source
+    paths = source.get("paths")
+    if isinstance(paths, str):
+        paths = [paths]
+    if isinstance(paths, list):
+        source = {**source, "paths": [resolve_path(p, base) for p in paths]}
+    return source
 
 
 def resolve_path(path: str, base_dir: str | None) -> str:

@@ -353,6 +353,13 @@ class HostFeed:
             **stream_counters(entries, self.plan, len(self.config.sources)),
         }
 
+    @property
+    def warming(self) -> bool:
+        """Whether this process still makes the chunks while the Ray workers start (the warm
+        start); False once they have taken the streams over, and without a warm start."""
+        source = self._intake.source
+        return source is not None and source.stats().warming
+
     def close(self) -> None:
         """Stops the producer thread and the workers."""
         self._prefetch.stop(10)

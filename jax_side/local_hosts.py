@@ -1,4 +1,4 @@
-"""``ingest run --hosts N``: N local JAX processes on 127.0.0.1, each with
+"""``ingest-dev run --hosts N``: N local JAX processes on 127.0.0.1, each with
 ``--devices-per-host`` forced CPU devices, running the same command; one summary.
 """
 
@@ -55,7 +55,7 @@ def _child_env(devices_per_host: int) -> dict[str, str]:
 
 def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
                        workers_per_host: int) -> int:
-    """``ingest run --hosts N``: runs the same command as N JAX processes on this machine.
+    """``ingest-dev run --hosts N``: runs the same command as N JAX processes on this machine.
 
     Each process gets ``--coordinator 127.0.0.1:PORT --num-hosts N --host-id I`` and
     ``args.devices_per_host`` forced CPU devices. With ``--backend ray`` and no cluster given,
@@ -68,7 +68,9 @@ def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
       workers_per_host: Ray workers each process starts.
 
     Returns:
-      0 when every process succeeded, else the first failing process's status.
+      0 when every process succeeded, else the first failing process's status. With
+      ``--json``, a failure whose last JSON line process 0 did not print itself (another
+      process failed first, or process 0 was killed) ends with this command's own.
     """
     child_argv = _strip_launcher_flags(argv)
     n = args.hosts
@@ -91,7 +93,8 @@ def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
     ended: queue.Queue = queue.Queue()
     try:
         for i in range(n):
-            cmd = [sys.executable, "-m", "jax_side.run", *child_argv, "--coordinator",
+            # ingest-dev's entry point: the command may hold its simulation flags.
+            cmd = [sys.executable, "-m", "jax_side.dev", *child_argv, "--coordinator",
                    coordinator, "--num-hosts", str(n), "--host-id", str(i)]
             # Process 0's stdout is this command's (its summary is the last line); the others
             # print nothing there but Ray's or JAX's chatter, sent to stderr instead.
@@ -100,19 +103,29 @@ def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
             threading.Thread(target=lambda i=i, p=p: ended.put((i, p.wait())), daemon=True,
                              name=f"wait-host-{i}").start()
         status = 0
+        failure = None
+        first_answered = False  # process 0 failed of itself: its own JSON line is the last
         for _ in range(n):
             try:
                 i, code = ended.get(timeout=PEER_EXIT_GRACE_S if status else None)
             except queue.Empty:
                 stuck = [i for i, p in enumerate(procs) if p.poll() is None]
-                print(f"ingest: error: host(s) {stuck} of {n} still running "
-                      f"{PEER_EXIT_GRACE_S:.0f} s after another failed; killing them",
-                      file=sys.stderr)
+                failure = (f"host(s) {stuck} of {n} still running {PEER_EXIT_GRACE_S:.0f} s "
+                           f"after another failed; killing them")
+                print(f"ingest: error: {failure}", file=sys.stderr)
+                first_answered = False
                 break
+            if i == 0 and code > 0:
+                first_answered = True
             if code and not status:
-                print(f"ingest: error: host {i} of {n} exited with status {code}; the others "
-                      f"stop at their next collective", file=sys.stderr)
+                failure = (f"host {i} of {n} exited with status {code}; the others stop at "
+                           f"their next collective")
+                print(f"ingest: error: {failure}", file=sys.stderr)
                 status = code if code > 0 else 128 - code
+        if status and args.json and not first_answered:
+            from jax_side.run_summary import print_json_error  # noqa: PLC0415
+
+            print_json_error(failure, status)
         return status
     finally:
         for p in procs:

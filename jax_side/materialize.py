@@ -1,6 +1,7 @@
 """``ingest materialize``: runs a finite config's streams to their end through the Ray worker
 pool (or in-process) and writes their rows with ``ingest.materialize``, with progress on
-stderr and a summary at the end."""
+stderr (a bar on a terminal, else a log line every ``--log-every`` seconds) and a summary at
+the end."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ingest.config import Config, check_memory, load_config
-from ingest.demo import demo_config
+from ingest.cli import LOG_EVERY_S, config_from_args
+from ingest.config import Config, check_memory
 from ingest.materialize import DEFAULT_SEGMENT_ROWS, MaterializeSummary, materialize
 from ingest.plan import UnitPlan, build_plan, deal_units
 from ingest.shift import LAYOUT_FIELDS
@@ -26,9 +27,6 @@ from jax_side.ray_cluster import start_ray
 __all__ = ["materialize_command", "materialize_corpus"]
 
 log = logging.getLogger("ingest.materialize")
-
-# Without a terminal (a log file, `ray job logs`), one progress line this often.
-LOG_EVERY_S = 10.0
 
 
 def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
@@ -68,15 +66,16 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
 
 
 class Progress:
-    """Rows, tokens and an ETA on stderr: a bar on a terminal, else a line every
-    ``LOG_EVERY_S`` seconds.
+    """Rows, tokens and an ETA on stderr: a bar on a terminal, else an INFO log line every
+    ``every_s`` seconds (default ``LOG_EVERY_S``).
 
     The ETA rests on units (slices of files) passed over all streams and epochs, so it is
     known before the rows are; it is left out where streams do not read units one by one
     (mixtures).
     """
 
-    def __init__(self, config: Config, plan: UnitPlan, *, bar: bool | None = None):
+    def __init__(self, config: Config, plan: UnitPlan, *, bar: bool | None = None,
+                 every_s: float | None = None):
         self._config = config
         self._plan = plan
         self._per_stream = self._units_per_stream()
@@ -87,6 +86,7 @@ class Progress:
         self._t0 = self._last_log = time.perf_counter()
         self._passed0 = 0
         self._use_bar = sys.stderr.isatty() if bar is None else bar
+        self._every = LOG_EVERY_S if every_s is None else every_s
         self._bar = None
 
     def _units_per_stream(self) -> list[list[int]] | None:
@@ -140,7 +140,7 @@ class Progress:
             self._bar.update((passed - self._bar.n) if passed is not None else 0)
             return
         now = time.perf_counter()
-        if now - self._last_log < LOG_EVERY_S:
+        if now - self._last_log < self._every:
             return
         self._last_log = now
         span = now - self._t0
@@ -151,7 +151,7 @@ class Progress:
             eta = (self._total - passed) * span / done if done > 0 else float("nan")
             line = (f"materialize: {100 * passed / self._total:.1f}% of units  "
                     + line.split(": ", 1)[1] + f"  ETA {eta:,.0f} s")
-        print(line, file=sys.stderr, flush=True)
+        log.info("%s", line)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -171,8 +171,7 @@ def summary_lines(s: MaterializeSummary) -> list[str]:
 
 def materialize_command(args) -> int:
     """``ingest materialize [CONFIG] --out DIR ...``."""
-    overrides = {"workers": args.workers}
-    cfg = load_config(args.config, **overrides) if args.config else demo_config(**overrides)
+    cfg = config_from_args(args)
     check_memory(cfg, host_batches=0)  # before reading the corpus
     plan = build_plan(cfg)
     started_ray = False
@@ -182,7 +181,7 @@ def materialize_command(args) -> int:
         started_ray = not ray.is_initialized()
         # As `ingest run`: a local cluster gets at least one CPU per worker asked for.
         start_ray(args.address, max(os.cpu_count() or 1, cfg.workers or 0))
-    progress = None if args.no_progress else Progress(cfg, plan)
+    progress = None if args.no_progress else Progress(cfg, plan, every_s=args.log_every)
     try:
         summary = materialize_corpus(cfg, args.out, backend=args.backend, plan=plan,
                                      segment_rows=args.segment_rows, progress=progress)
@@ -197,6 +196,12 @@ def materialize_command(args) -> int:
             ray.shutdown()
     for line in summary_lines(summary):
         print(line, file=sys.stderr)
+    out = dataclasses.asdict(summary)
+    if not summary.complete:
+        out["error"] = (f"{args.out} is incomplete: not every stream reached its end; rerun "
+                        f"the same command to continue it")
+        out["exit_status"] = 1
+        print(f"ingest: error: {out['error']}", file=sys.stderr)
     if args.json:
-        print(json.dumps(dataclasses.asdict(summary), sort_keys=True))
+        print(json.dumps(out, sort_keys=True), flush=True)
     return 0 if summary.complete else 1

@@ -262,7 +262,8 @@ class WarmStartSource:
         if self._pool is not None:
             return dataclasses.replace(self._pool.stats(), host_rows=self.host_rows)
         return SourceStats(num_workers=min(self._workers, len(self._streams)),
-                           host_rows=self.host_rows, started_at=self._started_at)
+                           host_rows=self.host_rows, started_at=self._started_at,
+                           warming=True)
 
     def request_resize(self, n: int) -> None:
         if self._pool is not None:

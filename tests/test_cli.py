@@ -61,25 +61,26 @@ CONFIG = {
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def entry_point() -> tuple[str, str]:
-    """The ``ingest`` console script's ``(module, function)``, as pyproject.toml declares it
-    (read here, so that a stale script in the venv cannot hide a change)."""
+def entry_point(script: str = "ingest") -> tuple[str, str]:
+    """A console script's ``(module, function)``, as pyproject.toml declares it (read here,
+    so that a stale script in the venv cannot hide a change): ``ingest`` or ``ingest-dev``
+    (the same command with run's development and simulation flags)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
-        target = tomllib.load(f)["project"]["scripts"]["ingest"]
+        target = tomllib.load(f)["project"]["scripts"][script]
     module, _, function = target.partition(":")
     return module, function
 
 
-def ingest_command() -> list[str]:
+def ingest_command(script: str = "ingest") -> list[str]:
     """Runs the declared console-script function with this interpreter."""
-    module, function = entry_point()
+    module, function = entry_point(script)
     return [sys.executable, "-c",
             f"import sys; from {module} import {function}; sys.exit({function}())"]
 
 
-def call_main(argv: list[str]) -> int | str | None:
+def call_main(argv: list[str], script: str = "ingest") -> int | str | None:
     """Calls the console-script function in this process; its exit status."""
-    module, function = entry_point()
+    module, function = entry_point(script)
     try:
         return getattr(importlib.import_module(module), function)(argv)
     except SystemExit as e:
@@ -99,11 +100,12 @@ def cli_env(cache_dir: Path) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], *, cache_dir: Path, cwd: Path | None = None
+def run_cli(args: list[str], *, cache_dir: Path, cwd: Path | None = None,
+            script: str = "ingest", env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
-    cmd = ingest_command() + args
+    cmd = ingest_command(script) + args
     try:
-        return subprocess.run(cmd, env=cli_env(cache_dir), cwd=cwd, capture_output=True,
+        return subprocess.run(cmd, env=env or cli_env(cache_dir), cwd=cwd, capture_output=True,
                               text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         def text(x):
@@ -215,10 +217,17 @@ def test_run_prints_a_json_summary_with_sane_values(cli_run, backend, workers):
     assert s["backend"] == backend
     assert s["workers"] == (workers if backend == "ray" else 0)
     assert re.fullmatch(r"[0-9a-f]{64}", s["digest"]), s["digest"]
-    # Without --step-time the stall is the loop waiting for batches, and the summary says so.
-    assert s["step_time_s"] == 0
-    assert "no --step-time" in summary_lines(s)[0]
-    assert "no --step-time" not in summary_lines({**s, "step_time_s": 0.01})[0]
+    # Two rates, named for what they mean; no stall without a training step (the loop does
+    # nothing but wait for batches).
+    lines = "\n".join(summary_lines(s))
+    assert s["step_time_s"] == 0 and "training_stall_fraction" not in s
+    assert "stall" not in lines, lines
+    assert s["run_tokens_per_s"] > 0 and s["run_s"] >= s["startup_s"]
+    assert "run rate " in lines and "what this run got" in lines
+    assert "feed rate " in lines
+    if s["feed_tokens_per_s"] is not None:  # else the line says why (too few steps, say)
+        assert s["feed_tokens_per_s"] > 0 and s["feed_rate_from_step"] >= 1
+        assert "how fast the feed can go" in lines
 
 
 @pytest.mark.slow
@@ -327,10 +336,12 @@ def test_missing_file_exits_non_zero_naming_the_path(tmp_path, cache_dir, what):
                           encoding="utf-8")
     proc = run_cli(["run", str(config), "--json", "--no-progress", "--backend", "local"],
                    cache_dir=cache_dir)
-    assert proc.returncode != 0, proc.stdout
+    assert proc.returncode == 1, proc.stdout
     assert str(target) in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert not proc.stdout.strip().startswith("{"), "a failed run printed a summary"
+    # With --json the last line of stdout is the error, not a summary.
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["exit_status"] == 1 and str(target) in last["error"] and "steps" not in last
 
 
 @pytest.mark.slow
@@ -402,7 +413,7 @@ def test_the_first_batches_come_while_ray_starts_and_the_workers_take_over(job, 
     steps = 400
     s = summary(run_cli(["run", str(config), "--steps", str(steps), "--digest", "--json",
                          "--no-progress", "--step-time", "0.04", "--workers", "2"],
-                        cache_dir=tmp_path))
+                        cache_dir=tmp_path, script="ingest-dev"))
     assert s["warm_start_rows"] > 0, "the first rows should come from the command's process"
     assert len(s["rows_per_s_by_worker"]) == 2, "both workers should have taken over"
     assert s["digest"] == _local_digest(config, steps)
@@ -424,7 +435,7 @@ def test_a_run_that_ends_while_its_ray_starts_leaves_at_once_and_its_cluster_is_
         pytest.skip("Ray was up before the second batch on this machine: nothing to check")
     assert s["digest"] == _local_digest(config, 2)
     assert s["warm_start_rows"] > 0 and not s.get("rows_per_s_by_worker"), s
-    assert "the data ended before Ray was up" in proc.stderr
+    assert "the run ended before Ray was up" in proc.stderr
     # The cluster's folder and processes go with the command (its reaper stops them).
     deadline = time.monotonic() + 60
     while True:
@@ -462,7 +473,7 @@ def test_kill_worker_every_keeps_the_digest_and_json_stays_the_last_line(job, tm
     killed = summary(run_cli(["run", str(config), "--steps", "200", "--digest", "--json",
                               "--no-progress", "--step-time", "0.03", "--workers", "2",
                               "--no-warm-start", "--kill-worker-every", "3"],
-                             cache_dir=tmp_path))
+                             cache_dir=tmp_path, script="ingest-dev"))
     assert killed["steps"] == 200
     assert killed["workers_killed"] >= 1
     assert killed["restarts"] >= 1
@@ -470,4 +481,94 @@ def test_kill_worker_every_keeps_the_digest_and_json_stays_the_last_line(job, tm
 
 
 def test_kill_worker_every_needs_the_ray_backend(tmp_path):
-    assert call_main(["run", "--backend", "local", "--kill-worker-every", "1"]) == 2
+    assert call_main(["run", "--backend", "local", "--kill-worker-every", "1"],
+                     script="ingest-dev") == 2
+
+
+# -- the command line: --version, --set, development flags ----------------------------------
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    assert call_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"ingest {version('ingest')}"
+
+
+@pytest.mark.parametrize("flag", [["--step-time", "0.1"], ["--kill-worker-every", "1"],
+                                  ["--hosts", "2"], ["--devices-per-host", "2"]])
+def test_development_flags_are_ingest_devs_only(capsys, flag):
+    assert call_main(["run", *flag]) == 2
+    assert "`ingest-dev run ...`" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_set_overrides_config_fields_as_the_yaml_would(job, cache_dir, tmp_path):
+    overridden = tmp_path / "overridden.yaml"
+    overridden.write_text(yaml.safe_dump(dict(CONFIG, seq_len=64, global_batch_size=8,
+                                              sources=[{"paths": [str(job / "corpus")]}])))
+    s = summary(run_cli(["run", str(job / "config.yaml"), "--set", "seq_len=64", "--set",
+                         "global_batch_size=8", "--steps", "3", "--digest", "--json",
+                         "--no-progress", "--backend", "local"], cache_dir=cache_dir))
+    assert s["digest"] == _local_digest(overridden, 3)
+    assert s["digest"] != _local_digest(job / "config.yaml", 3)
+
+
+@pytest.mark.parametrize("item,needle", [
+    ("seq_len=abc", "--set seq_len=abc: seq_len='abc' must be a positive integer"),
+    ("colour=blue", "--set colour=blue: unknown field 'colour'"),
+    ("global_batch_size=12",
+     "--set global_batch_size=12: global_batch_size=12 is not divisible by num_streams=8"),
+    ("seq_len=[1", "--set seq_len=[1: the value is not valid YAML"),
+])
+def test_a_bad_set_is_one_line_naming_it(job, capsys, item, needle):
+    code = call_main(["run", str(job / "config.yaml"), "--set", item, "--json", "--backend",
+                      "local", "--no-progress"])
+    out = capsys.readouterr()
+    errors = [line for line in out.err.splitlines() if line.startswith("ingest: error:")]
+    assert len(errors) == 1 and needle in errors[0], out.err
+    assert code == (2 if "YAML" in needle else 1)
+    last = json.loads(out.out.strip().splitlines()[-1])
+    assert last["error"].startswith(f"--set {item}: ") and last["exit_status"] == code
+
+
+# -- progress in logs, and a quiet Ray ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_progress_without_a_terminal_is_a_log_line_every_interval(job, tmp_path):
+    # 150 steps behind a simulated step of 0.05 s last 7.5 s at least: three intervals of 2 s.
+    config = _endless_config(job, tmp_path)
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        proc = subprocess.run(
+            ingest_command("ingest-dev") + ["run", str(config), "--steps", "150", "--backend",
+                                            "local", "--step-time", "0.05", "--log-every", "2",
+                                            "--json"],
+            env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=f, text=True,
+            timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    text = err.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    found = re.findall(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO ingest: progress: step (\d+) of "
+                       r"150  tokens ([\d,]+)  [\d.,]+ [kM]? ?tokens/s \(last [\d.]+ s\)  "
+                       r"stall [\d.]+%  ETA \d+", text, re.M)
+    steps = [int(s) for s, _ in found]
+    tokens = [int(t.replace(",", "")) for _, t in found]
+    assert len(steps) >= 3, text[-3000:]
+    assert steps == sorted(set(steps)) and tokens == sorted(set(tokens)), found
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_a_successful_ray_run_prints_no_warning_or_error_of_rays(job, tmp_path, warm_start):
+    env = cli_env(tmp_path)
+    env.pop("RAY_AUTH_MODE")  # Ray's own default: token authentication
+    env["HOME"] = str(tmp_path)  # where Ray keeps the token it makes (~/.ray)
+    proc = run_cli(["run", str(job / "config.yaml"), "--steps", "2", "--json", "--no-progress",
+                    "--workers", "2", *([] if warm_start else ["--no-warm-start"])],
+                   cache_dir=tmp_path, env=env)
+    assert summary(proc)["steps"] == 2
+    # Ray's log lines: "DATE TIME,ms\tLEVEL file.py:LINE -- message".
+    noise = re.findall(r"^.*\b(?:WARNING|ERROR)\b \S+\.py:\d+ -- .*$", proc.stderr, re.M)
+    assert not noise, proc.stderr[-3000:]

@@ -302,16 +302,15 @@ def test_cli_checks_materialize_flags():
         parse_args(["materialize", "c.yaml"])  # --out is required
 
 
-def test_progress_reports_rows_tokens_and_eta_without_a_terminal(config, tmp_path, capsys,
-                                                                 monkeypatch):
+def test_progress_reports_rows_tokens_and_eta_without_a_terminal(config, tmp_path, caplog):
     import jax_side.materialize as driver
 
-    monkeypatch.setattr(driver, "LOG_EVERY_S", 0.0)
-    progress = driver.Progress(config, build_plan(config), bar=False)
+    caplog.set_level("INFO", logger="ingest.materialize")
+    progress = driver.Progress(config, build_plan(config), bar=False, every_s=0.0)
     s = materialize_corpus(config, str(tmp_path / "out"), backend="local", segment_rows=50,
                            progress=progress)
     progress.close()
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = [r.getMessage() for r in caplog.records if r.name == "ingest.materialize"]
     assert lines and lines[-1].startswith("materialize: 100.0% of units")
     assert f"rows {s.rows:,}  tokens {s.tokens:,}" in lines[-1] and "ETA 0 s" in lines[-1]
 

@@ -5,7 +5,7 @@ Each host feeds the rows on its own devices; the global batches must be those of
 step for step, on a 1-D and a 2-D mesh; at the end of finite data, a host whose streams ran out
 pads until the other's do too, and both stop after the same step. A mesh on which a stream
 would straddle two hosts is refused at start, and a host whose peer was SIGKILLed fails within
-seconds instead of waiting. ``ingest run --hosts 2`` prints one summary whose digest is the
+seconds instead of waiting. ``ingest-dev run --hosts 2`` prints one summary whose digest is the
 one-process digest.
 
 Run as a script (``python tests/test_multihost.py child MODE ...``) this module is one JAX
@@ -235,7 +235,8 @@ def write_config(directory: Path, corpus: Path, seed: int, **overrides) -> Path:
 
 
 def run_cli(args: list[str], timeout_s: float = CHILD_TIMEOUT_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jax_side.run", *args]
+    # --hosts is a development flag: ingest-dev's (jax_side.dev).
+    cmd = [sys.executable, "-m", "jax_side.dev" if "--hosts" in args else "jax_side.run", *args]
     try:
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -251,7 +252,10 @@ def test_mesh_on_which_a_stream_straddles_two_hosts_is_refused_at_start(corpora,
     result = run_cli(["run", str(config), "--hosts", "2", "--devices-per-host", "4",
                       "--backend", "local", "--json", "--no-progress"])
     assert result.returncode == 1, result.stderr[-3000:]
-    assert result.stdout.strip() == "", "no summary: nothing was fed"
+    # No summary (nothing was fed): the --json line is host 0's error.
+    out = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(out) == 1 and "steps" not in out[0], result.stdout
+    assert out[0]["exit_status"] == 1 and "would straddle two hosts" in out[0]["error"]
     for host, rows in ((0, "[0, 4)"), (1, "[4, 8)")):
         assert (f"ingest: error: host {host} of 2: with num_streams=1, each stream fills 8 "
                 f"consecutive rows, but this process ({host} of 2) holds rows {rows}"
@@ -416,7 +420,7 @@ def test_cli_host_whose_peer_was_sigkilled_exits_with_an_error(corpora, tmp_path
     for i in range(HOSTS):
         with open(tmp_path / f"err{i}.txt", "w") as err:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jax_side.run", "run", str(config), "--backend", "local",
+                [sys.executable, "-m", "jax_side.dev", "run", str(config), "--backend", "local",
                  "--coordinator", f"127.0.0.1:{port}", "--num-hosts", "2", "--host-id", str(i),
                  "--digest-log", "/dev/stdout", "--step-time", "0.5", "--json"],
                 cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=err, text=True))
@@ -439,10 +443,12 @@ def test_cli_host_whose_peer_was_sigkilled_exits_with_an_error(corpora, tmp_path
     assert procs[0].returncode == 1, err[-3000:]
     assert "ingest: error: host 0 of 2: process 0 of 2 waited for " in err, err[-3000:]
     assert "Another process has probably died or left" in err
-    assert not any(line.startswith("{") for line in rest), "a failed run prints no summary"
+    # A failed run prints no summary: its --json line, the last, is the error.
+    assert rest and rest[-1].startswith("{"), rest
+    assert "steps" not in json.loads(rest[-1]) and "error" in json.loads(rest[-1])
 
 
-# -- ingest run --hosts 2: one summary, the one-process digest ---------------------------------
+# -- ingest-dev run --hosts 2: one summary, the one-process digest -----------------------------
 
 
 @pytest.mark.ray
@@ -479,7 +485,7 @@ def test_multihost_flags_are_checked_together(capsys, argv, message):
     from ingest.cli import parse_args
 
     with pytest.raises(SystemExit) as e:
-        parse_args(["run", *argv])
+        parse_args(["run", *argv], dev=True)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 

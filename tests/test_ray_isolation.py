@@ -88,7 +88,9 @@ def env_for(ray_tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def ingest(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "jax_side.run", *args]
+    # --hosts and --step-time are development flags: ingest-dev's (jax_side.dev).
+    dev = "--hosts" in args or "--step-time" in args
+    return [sys.executable, "-m", "jax_side.dev" if dev else "jax_side.run", *args]
 
 
 def run_args(config: Path, backend: str = "ray", *extra: str) -> list[str]:

@@ -1,10 +1,10 @@
 """The README's examples run as written, and the documentation's links all resolve.
 
-Every ```python block of README.md runs, in order and in one namespace as a reader would paste
-them, in a fresh Python process (8 CPU devices), against a small real corpus described by a
-``corpus.yaml`` in the working directory. The checkpoint example runs twice, as after a crash:
-the second run resumes from the latest checkpoint and must end with the same result as an
-unbroken run.
+The README's ```python blocks each run on their own, as a reader would paste one, in a fresh
+Python process (8 CPU devices), against a small real corpus described by a ``corpus.yaml`` in
+the working directory. The checkpoint example saves at its last step too; it runs again as after
+a crash (its last checkpoint removed): that run resumes from the latest checkpoint and must end
+with the same result as an unbroken run; and once more, finished: it resumes at the end.
 """
 
 from __future__ import annotations
@@ -104,6 +104,10 @@ def example_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _saved(example_dir: pathlib.Path) -> list[int]:
+    return sorted(int(p.name) for p in (example_dir / "ckpt").iterdir() if p.name.isdigit())
+
+
 def test_readme_python_examples_run_and_resume(example_dir):
     blocks = _blocks(README.read_text(), "python")
     assert len(blocks) >= 2, "README.md should hold the feed example and the checkpoint example"
@@ -116,20 +120,28 @@ def test_readme_python_examples_run_and_resume(example_dir):
     assert total > 0
     assert steps > 100 and steps % 100, f"the corpus should give a few hundred steps, got {steps}"
 
-    # Both, in order: a fresh run of the checkpoint example trains the whole epoch, saving every
-    # 100 steps.
-    unbroken = _run([feed_example, checkpoint_example])
+    # The checkpoint example alone, fresh: it trains the whole epoch, saving every 100 steps
+    # and at the last one.
+    unbroken = _run([checkpoint_example])
     assert unbroken["tokens_seen"] == total and unbroken["restored_step"] is None
-    saved = sorted(int(p.name) for p in (example_dir / "ckpt").iterdir() if p.name.isdigit())
-    assert saved and saved[-1] == steps - steps % 100
+    assert _saved(example_dir)[-2:] == [steps - steps % 100, steps]
 
-    # Run again, as after a crash: it resumes at the latest checkpoint (model and feed) and
-    # ends where the unbroken run ended, without repeating or losing a batch.
-    resumed = _run([feed_example, checkpoint_example])
-    assert resumed["restored_step"] == saved[-1]
+    # Finished, run again: it resumes at the end (model and feed) and trains nothing more.
+    again = _run([checkpoint_example])
+    assert again["restored_step"] == steps and again["steps"] == 0
+    assert again["tokens_seen"] == total and again["feed_step"] == steps
+
+    # As after a crash before the last save: it resumes at the latest checkpoint and ends
+    # where the unbroken run ended, without repeating or losing a batch.
+    shutil.rmtree(example_dir / "ckpt" / str(steps))
+    latest = _saved(example_dir)[-1]
+    assert latest == steps - steps % 100
+    resumed = _run([checkpoint_example])
+    assert resumed["restored_step"] == latest
     assert resumed["tokens_seen"] == total
-    assert resumed["steps"] == steps - saved[-1]  # the batches of this run
+    assert resumed["steps"] == steps - latest  # the batches of this run
     assert resumed["feed_step"] == steps
+    assert _saved(example_dir)[-1] == steps
 
 
 def test_readme_config_block_is_valid(tmp_path):

@@ -90,8 +90,9 @@ def test_a_run_that_skips_every_document_says_so_and_fails(null_job):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the run delivered no batch: 12 document(s) were skipped (null_text" in proc.stderr
     assert "--allow-empty" in proc.stderr
-    s = last_json(proc)
+    s = last_json(proc)  # the summary, with the error
     assert s["steps"] == 0 and s["startup_s"] is None
+    assert s["exit_status"] == 1 and s["error"].startswith("the run delivered no batch: 12 ")
     assert sum(s["skipped_documents"]["null_text"].values()) == 12
     assert "skipped 12 document(s) as null_text" in proc.stderr
 
@@ -128,9 +129,13 @@ def test_a_second_run_on_a_locked_checkpoint_directory_is_refused_naming_the_hol
     ckpt = job / "ckpt"
     with checkpoint.lock_directory(ckpt):  # this process holds it, as a running job would
         proc = ingest("config.yaml", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                      cwd=job)
+                      "--json", cwd=job)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"another `ingest run` is using {ckpt}" in proc.stderr
+    # --json: the last line of stdout is the error, not a summary.
+    error = last_json(proc)
+    assert error["exit_status"] == 1 and "steps" not in error
+    assert f"another `ingest run` is using {ckpt}" in error["error"]
     assert f"host {socket.gethostname()}, pid {os.getpid()}" in proc.stderr
     assert not any(p.name.isdigit() for p in ckpt.iterdir())  # it saved nothing
     # Released: the same command runs now.
