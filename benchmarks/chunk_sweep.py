@@ -28,7 +28,7 @@ import tempfile
 
 import yaml
 
-from benchmarks.bench import ROOT, child_env
+from benchmarks.machine import ROOT, child_env
 
 __all__ = ["main"]
 
