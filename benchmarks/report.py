@@ -1,8 +1,13 @@
-"""The bench's results as the plain-text table it prints (the one RESULTS.md shows)."""
+"""The bench's results as the plain-text table it prints (the one RESULTS.md shows).
+
+    python -m benchmarks.report benchmarks/results.json    # the table of a results file
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Any
 
 from benchmarks.machine import BUSY_PROBE_S, ROOT
@@ -323,3 +328,17 @@ def format_table(r: BenchResults) -> str:
              *_cpu_table(r), "", *_assembly_lines(r.host_assembly), *_step_lines(r),
              *_limit_ratio_lines(r, ra), *_peer_ratio_lines(r, ra)]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m benchmarks.report RESULTS.json", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        print(format_table(BenchResults.from_json(json.load(f))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
