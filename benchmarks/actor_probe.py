@@ -8,10 +8,9 @@ Starts a local Ray cluster with one CPU per worker, opens the demo's streams on 
 its group and returning them as one object. Prints tokens/s over the whole run (from the first
 request, actors already started: no head start) and after the first round of chunks.
 
-On 2 CPUs (3 epochs, three runs each, 2026-11-21): 128-row chunks one stream a call 12.2 M
-tokens/s; four streams a call (the same chunks, a quarter of the calls and objects) 13.1 M;
-256 rows two streams a call 13.3 M; 512 rows one stream a call 14.3 M. So about half of what
-larger chunks gain is per call and object, and half is per chunk of a stream.
+Comparing the same chunks with more streams a call (fewer calls and objects) against larger
+chunks splits what larger chunks gain into a part per call and object and a part per chunk of
+a stream; benchmarks/RESULTS.md has the figures.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ Many epochs make the rows produced before the first batch (``num_streams x chunk
 them, and the requests in flight behind them) a small part of the run, which a one-epoch
 measurement is not. Each call's result is one object in Ray's object store, and storing one
 costs a worker three synchronous round trips to the raylet (create, seal, pin) and a copy,
-whatever its size: larger chunks (or ``streams_per_call``) spread that over more tokens. That
-is about half of what larger chunks gain here (``benchmarks/actor_probe.py``); the other half,
-per chunk of a stream, is not explained yet.
+whatever its size: larger chunks (or ``streams_per_call``) spread that over more tokens.
+``benchmarks/actor_probe.py`` separates that part of the gain from the part per chunk of a
+stream (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 
 import yaml
 
-from benchmarks.bench import ROOT, child_env
+from benchmarks.machine import ROOT, child_env
 
 __all__ = ["main"]
 

@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 
 __all__ = ["BenchSpec", "backend_of", "load_texts", "make_spec"]
 
-QUICK_TEXT_BYTES = 6 * 2**20  # two of the demo's eight shards: about 3.8 M GPT-2 tokens
+QUICK_TEXT_BYTES = 6 * 2**20  # two of the demo's eight shards
 QUICK_STEPS = 40
 EPOCHS = 3
-# The single-core limits read at most this much text: enough for a stable rate (the demo
-# corpus is 31 MB, all of it), small enough to hold in memory for any corpus.
+# The single-core limits read at most this much text: enough for a stable rate (all of the
+# demo corpus), small enough to hold in memory for any corpus.
 LIMIT_TEXT_BYTES = 256 * 2**20
 QUICK_LIMIT_TEXT_BYTES = 4 * 2**20
 

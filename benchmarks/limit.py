@@ -33,8 +33,8 @@ import time
 from typing import Any
 
 # Set before numpy or any tokenizer library is imported (they read these once, at import or
-# first use): set later, numpy's OpenBLAS had started its threads, which then spun beside the
-# measured core (1.8 % of a produce run's samples under perf).
+# first use): set later, numpy's OpenBLAS has started its threads, which then spin beside the
+# measured core and take samples from it under perf.
 SINGLE_THREAD_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1",
                      "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 if __name__ == "__main__":
@@ -111,7 +111,7 @@ def measure_other_backend(spec: BenchSpec) -> dict[str, Any]:
     hf = tokenizers.Tokenizer(models.BPE.from_file(encoder_json, vocab_bpe))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    # HF tokenizers runs at a fifth of tiktoken's speed: a smoke test times it on less text.
+    # HF tokenizers is much slower than tiktoken: a smoke test times it on less text.
     limit_bytes = min(spec.limit_text_bytes, QUICK_HF_TEXT_BYTES) if spec.quick else \
         spec.limit_text_bytes
     texts, info = load_texts(spec.files, spec.text_column, limit_bytes)

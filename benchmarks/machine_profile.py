@@ -44,8 +44,8 @@ from typing import Any
 
 import psutil
 
-from benchmarks.bench import ROOT, child_env
 from benchmarks.corpus import make_spec
+from benchmarks.machine import ROOT, child_env
 from benchmarks.measure import process_group
 
 __all__ = ["classify", "main", "split_samples", "top_symbols"]

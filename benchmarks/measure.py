@@ -117,8 +117,8 @@ def own_bytes(pid: int) -> int | None:
     of its status (None if unreadable: it is exiting). For Ray's processes the shared pages are
     mostly the object store, which every process that writes or reads objects maps: they count
     in its RSS, and grow as it touches more of the store, though the store is bounded on its
-    own. Read separately, a worker's RSS and a failed read of its shared pages once gave a
-    worker's RSS with the store (432 MiB) as its own memory (its own peaked at 177 MiB)."""
+    own. Both come from one read: read separately, a failed read of the shared pages would
+    count a worker's RSS with the store as its own memory."""
     fields: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:

@@ -41,8 +41,8 @@ GRAIN_FIELDS = {
 }
 
 
-# A median gap between batches under this fraction of the mean marks bursty delivery (steady
-# pipelines measured here: 0.6-1.0; Ray Data on whole-file blocks: under 0.05).
+# A median gap between batches under this fraction of the mean marks bursty delivery: far
+# below a steady pipeline's ratio, far above that of Ray Data on whole-file blocks.
 BURSTY_GAP_RATIO = 0.25
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import psutil
 
-from benchmarks.bench import ROOT, child_env
 from benchmarks.corpus import make_spec
+from benchmarks.machine import ROOT, child_env
 
 __all__ = ["main", "split_worker_trace"]
 

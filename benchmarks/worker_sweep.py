@@ -34,8 +34,8 @@ from typing import Any
 import yaml
 
 from benchmarks import scaling
-from benchmarks.bench import child_env, machine_facts, package_versions
 from benchmarks.corpus import make_spec
+from benchmarks.machine import child_env, machine_facts, package_versions
 from benchmarks.measure import busy_between, machine_steal_s, run_measured
 
 __all__ = ["default_points", "main", "point_plan"]

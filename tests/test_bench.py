@@ -7,6 +7,7 @@ figures. It asserts no speed: speed targets live in benchmarks/, never in timed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 from benchmarks.bench import SECTIONS  # noqa: E402
 from benchmarks.limit import produce_split  # noqa: E402
 from benchmarks.peers import pack_rows  # noqa: E402
+from benchmarks.results_model import BenchResults, Section, WorkerRun  # noqa: E402
 
 # `--quick` takes about a minute on a quiet 2-CPU machine; the deadline allows for a shared one.
 TIMEOUT_S = 600
@@ -116,36 +118,62 @@ def test_quick_bench_writes_every_section_with_positive_figures(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["results.json", "results-tiny.json", "results-cl100k.json"])
+def test_a_stored_results_file_reads_into_the_model_and_writes_back_the_same(name):
+    """The typed model reads every key of a stored full run and writes each back; the ratios
+    computed again from it are the stored ones."""
+    from benchmarks.ratios import compute_ratios
+
+    raw = json.loads((ROOT / "benchmarks" / name).read_text())
+    results = BenchResults.from_json(raw)
+    assert json.loads(json.dumps(results.to_json())) == raw
+    assert results.ratios is not None and results.ratios.details == {}  # every ratio is typed
+    stored, again = raw["ratios"], compute_ratios(results).to_json()
+    assert set(again) == set(stored)
+    for key, value in stored.items():
+        assert again[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+
+
+def test_a_quick_run_writes_its_verdicts_as_null_beside_the_ratios_they_judge():
+    from benchmarks.ratios import compute_ratios
+
+    raw = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    results = BenchResults.from_json({**raw, "mode": "quick"})
+    ratios = compute_ratios(results).to_json()
+    for verdict in ("meets_target", "meets_target_steady", "meets_grain_target",
+                    "meets_grain_target_steady"):
+        assert verdict in ratios and ratios[verdict] is None, verdict
+    assert ratios["ours_over_cpus_x_limit"] > 0
+
+
+@pytest.mark.parametrize("name", ["results.json", "results-tiny.json", "results-cl100k.json"])
 def test_the_grain_target_is_judged_from_the_first_batch_and_steady(name):
     """On each stored full run: ours over the best grain run by both measures, each judged."""
-    from benchmarks.bench import TARGET_OVER_GRAIN, _against, _ratios, format_table, workers_rates
+    from benchmarks.ratios import TARGET_OVER_GRAIN, compute_ratios, workers_rates
+    from benchmarks.report import fmt_against, format_table
 
-    results = json.loads((ROOT / "benchmarks" / name).read_text())
-    cpus = results["setting"]["cpus"]
+    results = _load(name)
+    cpus = results.setting.cpus
     ours = workers_rates(results)  # the median over the workers' runs
-    grains = [p for n, p in results["peers"].items() if n in ("grain", "grain_mp")]
-    ratios = _ratios(results, cpus)
-    limits = results["limit"]
-    backend = limits["feed_backend"] if "tokens_per_s" in limits["feed_backend"] else \
-        limits["tokenizer"]
+    grains = [p for n, p in results.peers.items() if n in ("grain", "grain_mp")]
+    ratios = compute_ratios(results)
+    limits = results.limit
+    backend = limits.feed_backend if limits.feed_backend.measured else limits.tokenizer
     # Every grain run is between two measures of the limit: the two pipelines' median ratios
     # to it divide.
-    assert ratios["grain_ratio_from"] == "ratios to the limit"
-    assert all(len(p["over_limit_by_run"]) == 3 for p in grains)
-    best = max(p["over_limit"] for p in grains)
-    want = cpus * ours["steady_ours_over_cpus_x_limit"] / max(p["steady_over_limit"]
-                                                              for p in grains)
-    assert ratios["ours_over_grain"] == pytest.approx(cpus * ours["ours_over_cpus_x_limit"]
-                                                      / best)
+    assert ratios.grain_ratio_from == "ratios to the limit"
+    assert all(len(p.over_limit_by_run) == 3 for p in grains)
+    best = max(p.over_limit for p in grains)
+    want = cpus * ours.steady_over_cpus_x_limit / max(p.steady_over_limit for p in grains)
+    assert ratios.ours_over_grain == pytest.approx(cpus * ours.over_cpus_x_limit / best)
     # The ceiling: every CPU running the grain runs' tokenizer backend alone, over grain.
-    ceiling = cpus * backend["tokens_per_s"] / limits["tokenizer"]["tokens_per_s"] / best
-    assert ratios["steady_ours_over_grain"] == pytest.approx(want)
-    assert ratios["meets_grain_target_steady"] == (want >= TARGET_OVER_GRAIN)
-    assert ratios["grain_ceiling"] == pytest.approx(ceiling)
-    results["ratios"] = ratios
+    ceiling = cpus * backend.tokens_per_s / limits.tokenizer.tokens_per_s / best
+    assert ratios.steady_ours_over_grain == pytest.approx(want)
+    assert ratios.meets_grain_target_steady == (want >= TARGET_OVER_GRAIN)
+    assert ratios.grain_ceiling == pytest.approx(ceiling)
+    results.ratios = ratios
     (line,) = [x for x in format_table(results).splitlines() if "best grain" in x]
-    verdict = "met" if ratios["meets_grain_target_steady"] else "missed"
-    assert f"; steady {_against(want, TARGET_OVER_GRAIN)} " in line
+    verdict = "met" if ratios.meets_grain_target_steady else "missed"
+    assert f"; steady {fmt_against(want, TARGET_OVER_GRAIN)} " in line
     assert f", steady {verdict})" in line
     assert f"at most {ceiling:.2f} here" in line
 
@@ -154,35 +182,41 @@ LIMITS = [7.0e6, 6.0e6, 8.0e6, 7.0e6]  # the tokenizer's limit around three work
 RATES = [10.0e6, 13.0e6, 11.0e6]
 
 
-def _worker_runs(steady: float) -> list[dict]:
+def _worker_runs(steady: float) -> list[WorkerRun]:
     """Three workers' runs of ``RATES`` between the measures ``LIMITS``, each steady rate
     ``steady`` times its rate."""
-    return [{"limit_before": LIMITS[i], "limit_after": LIMITS[i + 1], "tokens_per_s": RATES[i],
-             "steady_tokens_per_s": RATES[i] * steady} for i in range(3)]
+    return [WorkerRun(limit_before=LIMITS[i], limit_after=LIMITS[i + 1], tokens_per_s=RATES[i],
+                      steady_tokens_per_s=RATES[i] * steady) for i in range(3)]
+
+
+def _load(name: str = "results.json") -> BenchResults:
+    """A stored results file, read through the typed model."""
+    return BenchResults.from_json(json.loads((ROOT / "benchmarks" / name).read_text()))
 
 
 def test_the_ratio_to_the_limit_is_the_median_over_runs_each_between_two_limits():
     """Each workers' run is divided by the mean of the limit measured before and after it;
     the ratio judged is the median of those, and the table names each run's."""
-    from benchmarks.bench import _ratios, format_table
+    from benchmarks.ratios import compute_ratios
+    from benchmarks.report import format_table
 
-    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
-    cpus = results["setting"]["cpus"]
+    results = _load()
+    cpus = results.setting.cpus
     limits, rates = LIMITS, RATES
-    results["worker_runs"] = _worker_runs(1.01)
-    results["worker_runs"].append({"limit_before": 7.0e6, "limit_after": None,
-                                   "error": "ingest run failed"})  # no rate: left out
-    ratios = _ratios(results, cpus)
+    results.worker_runs = _worker_runs(1.01)
+    results.worker_runs.append(WorkerRun(limit_before=7.0e6, limit_after=None,
+                                         error="ingest run failed"))  # no rate: left out
+    ratios = compute_ratios(results)
     by_run = [rates[i] / (cpus * (limits[i] + limits[i + 1]) / 2) for i in range(3)]
-    assert ratios["ours_over_cpus_x_limit_by_run"] == pytest.approx(by_run)
-    assert ratios["ours_over_cpus_x_limit"] == pytest.approx(sorted(by_run)[1])
-    assert ratios["steady_ours_over_cpus_x_limit"] == pytest.approx(sorted(by_run)[1] * 1.01)
-    assert ratios["meets_target"] == (sorted(by_run)[1] >= ratios["target_of_limit"])
-    assert ratios["worker_runs"] == 3
+    assert ratios.ours_over_cpus_x_limit_by_run == pytest.approx(by_run)
+    assert ratios.ours_over_cpus_x_limit == pytest.approx(sorted(by_run)[1])
+    assert ratios.steady_ours_over_cpus_x_limit == pytest.approx(sorted(by_run)[1] * 1.01)
+    assert ratios.meets_target == (sorted(by_run)[1] >= ratios.target_of_limit)
+    assert ratios.worker_runs == 3
     # The other ratios take the median rate.
-    produce = results["limit"]["produce"]["tokens_per_s"]
-    assert ratios["ours_over_cpus_x_produce"] == pytest.approx(11.0e6 / (cpus * produce))
-    results["ratios"] = ratios
+    produce = results.limit.produce.tokens_per_s
+    assert ratios.ours_over_cpus_x_produce == pytest.approx(11.0e6 / (cpus * produce))
+    results.ratios = ratios
     table = format_table(results)
     (line,) = [x for x in table.splitlines() if x.startswith("ours / (")]
     assert "(median of " + ", ".join(f"{x:.2f}" for x in by_run) + ")" in line
@@ -192,27 +226,28 @@ def test_the_ratio_to_the_limit_is_the_median_over_runs_each_between_two_limits(
 def test_a_grain_pipeline_counts_its_median_run_and_the_table_lists_every_run():
     """Grain runs three times; the grain ratio divides by its median run, never its best or
     worst, and a failed run is listed but not counted."""
-    from benchmarks.bench import _median_run, _ratios, format_table
+    from benchmarks.ratios import compute_ratios, median_run
+    from benchmarks.report import format_table
 
-    runs = [{"tokens_per_s": 8.0e6, "steady_tokens_per_s": 8.1e6,
-             "tokens_per_s_with_startup": 6.0e6, "startup_s": 1.4},
-            {"error": "grain failed"},
-            {"tokens_per_s": 5.0e6, "steady_tokens_per_s": 5.2e6,
-             "tokens_per_s_with_startup": 4.0e6, "startup_s": 1.5},
-            {"tokens_per_s": 9.0e6, "steady_tokens_per_s": 9.3e6,
-             "tokens_per_s_with_startup": 7.0e6, "startup_s": 1.3}]
-    got = _median_run(runs)
-    assert got["tokens_per_s"] == 8.0e6 and got["steady_tokens_per_s"] == 8.1e6
-    assert got["runs_tokens_per_s"] == [8.0e6, None, 5.0e6, 9.0e6]
-    assert _median_run(runs[:1]) == runs[0]  # one run: as it is
-    assert _median_run([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
-    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
-    cpus = results["setting"]["cpus"]
-    results["peers"] = {"grain": {**got, "tokens_per_s": 4.0e6, "steady_tokens_per_s": 4.0e6}}
-    half = _ratios(results, cpus)["ours_over_grain"]
-    results["peers"] = {"grain": got}
-    results["ratios"] = _ratios(results, cpus)
-    assert results["ratios"]["ours_over_grain"] == pytest.approx(half / 2)
+    runs = [Section(tokens_per_s=8.0e6, steady_tokens_per_s=8.1e6,
+                    tokens_per_s_with_startup=6.0e6, startup_s=1.4),
+            Section(error="grain failed"),
+            Section(tokens_per_s=5.0e6, steady_tokens_per_s=5.2e6,
+                    tokens_per_s_with_startup=4.0e6, startup_s=1.5),
+            Section(tokens_per_s=9.0e6, steady_tokens_per_s=9.3e6,
+                    tokens_per_s_with_startup=7.0e6, startup_s=1.3)]
+    got = median_run(runs)
+    assert got.tokens_per_s == 8.0e6 and got.steady_tokens_per_s == 8.1e6
+    assert got.runs_tokens_per_s == [8.0e6, None, 5.0e6, 9.0e6]
+    assert median_run(runs[:1]) == runs[0]  # one run: as it is
+    assert median_run([Section(error="a"), Section(error="b")]) == Section(error="b")
+    results = _load()
+    results.peers = {"grain": dataclasses.replace(got, tokens_per_s=4.0e6,
+                                                  steady_tokens_per_s=4.0e6)}
+    half = compute_ratios(results).ours_over_grain
+    results.peers = {"grain": got}
+    results.ratios = compute_ratios(results)
+    assert results.ratios.ours_over_grain == pytest.approx(half / 2)
     (line,) = [x for x in format_table(results).splitlines() if x.startswith("grain, 1 process")]
     assert "the median of 4 runs: 8.00 M, failed, 5.00 M, 9.00 M" in line
 
@@ -221,77 +256,82 @@ def test_grain_runs_between_measures_of_the_limit_are_compared_by_their_ratios_t
     """Where every grain run has the limit measured on either side, ours / grain divides the
     two pipelines' median ratios to the limit, not rates taken minutes apart: a machine that
     ran twice as fast during grain's runs leaves the ratio as it is."""
-    from benchmarks.bench import _median_run, _ratios, format_table
+    from benchmarks.ratios import compute_ratios, median_run
+    from benchmarks.report import format_table
 
-    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
-    cpus = results["setting"]["cpus"]
+    results = _load()
+    cpus = results.setting.cpus
     limits, rates = LIMITS, RATES
-    results["worker_runs"] = _worker_runs(1.0)
+    results.worker_runs = _worker_runs(1.0)
     ours_by_run = sorted(rates[i] / ((limits[i] + limits[i + 1]) / 2) for i in range(3))
 
-    def grain(speed: float) -> dict:
+    def grain(speed: float) -> Section:
         # Three runs at 0.30, 0.25 and 0.35 of the limit, on a machine `speed` times as fast.
         glimits = [speed * x for x in (6.0e6, 6.0e6, 8.0e6, 6.0e6)]
-        runs = [{"tokens_per_s": f * (glimits[i] + glimits[i + 1]) / 2,
-                 "steady_tokens_per_s": f * (glimits[i] + glimits[i + 1]) / 2,
-                 "tokens_per_s_with_startup": 1.0e6, "startup_s": 1.0,
-                 "limit_before": glimits[i], "limit_after": glimits[i + 1]}
+        runs = [Section(tokens_per_s=f * (glimits[i] + glimits[i + 1]) / 2,
+                        steady_tokens_per_s=f * (glimits[i] + glimits[i + 1]) / 2,
+                        tokens_per_s_with_startup=1.0e6, startup_s=1.0,
+                        limit_before=glimits[i], limit_after=glimits[i + 1])
                 for i, f in enumerate((0.30, 0.25, 0.35))]
-        return _median_run(runs)
+        return median_run(runs)
 
     got = grain(1.0)
-    assert got["over_limit_by_run"] == pytest.approx([0.30, 0.25, 0.35])  # in run order
-    assert got["over_limit"] == pytest.approx(0.30)
+    assert got.over_limit_by_run == pytest.approx([0.30, 0.25, 0.35])  # in run order
+    assert got.over_limit == pytest.approx(0.30)
     want = ours_by_run[1] / 0.30
     for speed in (1.0, 2.0):
-        results["peers"] = {"grain": grain(speed)}
-        ratios = _ratios(results, cpus)
-        assert ratios["grain_ratio_from"] == "ratios to the limit"
-        assert ratios["ours_over_grain"] == pytest.approx(want)
-        assert ratios["steady_ours_over_grain"] == pytest.approx(want)
+        results.peers = {"grain": grain(speed)}
+        ratios = compute_ratios(results)
+        assert ratios.grain_ratio_from == "ratios to the limit"
+        assert ratios.ours_over_grain == pytest.approx(want)
+        assert ratios.steady_ours_over_grain == pytest.approx(want)
     # The ceiling: the backend alone over the limit, on every CPU, over grain's ratio.
-    limit = results["limit"]
-    backend = limit["feed_backend"]["tokens_per_s"] / limit["tokenizer"]["tokens_per_s"]
-    assert ratios["grain_ceiling"] == pytest.approx(cpus * backend / 0.30)
-    results["ratios"] = ratios
+    limit = results.limit
+    backend = limit.feed_backend.tokens_per_s / limit.tokenizer.tokens_per_s
+    assert ratios.grain_ceiling == pytest.approx(cpus * backend / 0.30)
+    results.ratios = ratios
     table = format_table(results).splitlines()
     (line,) = [x for x in table if x.startswith("grain, 1 process")]
     assert "over the limit on either side: 0.30, 0.25, 0.35" in line
     (line,) = [x for x in table if x.startswith("ours / best grain")]
     assert "median ratio to the limit measured on either side" in line
     # A grain run with no measure of the limit beside it (both failed): rates, as before.
-    runs = [{k: v for k, v in results["peers"]["grain"].items() if "limit" not in k},
-            {"tokens_per_s": 3.0e6, "tokens_per_s_with_startup": 2.0e6,
-             "limit_before": 6.0e6, "limit_after": 6.2e6}]
-    results["peers"]["grain"] = _median_run(runs)
-    assert "over_limit" not in results["peers"]["grain"]
-    assert _ratios(results, cpus)["grain_ratio_from"] == "rates"
+    runs = [dataclasses.replace(results.peers["grain"], limit_before=None, limit_after=None,
+                                over_limit=None, steady_over_limit=None, over_limit_by_run=None,
+                                steady_over_limit_by_run=None),
+            Section(tokens_per_s=3.0e6, tokens_per_s_with_startup=2.0e6,
+                    limit_before=6.0e6, limit_after=6.2e6)]
+    results.peers["grain"] = median_run(runs)
+    assert results.peers["grain"].over_limit is None
+    assert "over_limit" not in results.peers["grain"].to_json()
+    assert compute_ratios(results).grain_ratio_from == "rates"
 
 
 def test_a_peer_whose_first_batch_came_late_is_no_best_peer():
     """A peer that spent most of its run before its first batch delivered batches already
     made: its rate from the first batch is left out of the best peer, and the table says why."""
-    from benchmarks.bench import _ratios, format_table
+    from benchmarks.ratios import compute_ratios
+    from benchmarks.report import format_table
 
-    results = json.loads((ROOT / "benchmarks" / "results-cl100k.json").read_text())
-    cpus = results["setting"]["cpus"]
-    ray_data = results["peers"]["ray_data"]  # whole files as blocks: a late first batch
-    assert ray_data["startup_s"] > ray_data["wall_s"] / 2
-    ratios = _ratios(results, cpus)
-    assert "ray_data" in ratios["peers_left_out"] and ratios["best_peer"] != "ray_data"
-    results["ratios"] = ratios
+    results = _load("results-cl100k.json")
+    ray_data = results.peers["ray_data"]  # whole files as blocks: a late first batch
+    assert ray_data.startup_s > ray_data.wall_s / 2
+    ratios = compute_ratios(results)
+    assert "ray_data" in ratios.peers_left_out and ratios.best_peer != "ray_data"
+    results.ratios = ratios
     (line,) = [x for x in format_table(results).splitlines() if x.startswith("Ray Data")]
-    assert f"first batch after {ray_data['startup_s']:.0f} of its" in line
+    assert f"first batch after {ray_data.startup_s:.0f} of its" in line
     # The same peer with its first batch before half its run is a production rate again.
-    ray_data["startup_s"] = 0.4 * ray_data["wall_s"]
-    ray_data["tokens_per_s"] = 1.0  # and slower than the others: no best peer either way
-    assert "ray_data" not in _ratios(results, cpus)["peers_left_out"]
+    ray_data.startup_s = 0.4 * ray_data.wall_s
+    ray_data.tokens_per_s = 1.0  # and slower than the others: no best peer either way
+    assert "ray_data" not in compute_ratios(results).peers_left_out
 
 
 def test_the_run_is_provisional_when_other_programs_keep_cpus_busy_at_its_start():
     """The warning counts the CPUs busy just before the start, not the load average, which a
     benchmark that ended a minute before still raises; older files keep the load average."""
-    from benchmarks.bench import busy_cpus, format_table
+    from benchmarks.machine import busy_cpus
+    from benchmarks.report import format_table
 
     results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
 
@@ -299,7 +339,7 @@ def test_the_run_is_provisional_when_other_programs_keep_cpus_busy_at_its_start(
         r = {**results, "machine": {k: v for k, v in results["machine"].items()
                                     if k not in ("busy_cpus_start", "load_average_start")}}
         r["machine"].update(machine)
-        return "WARNING" in format_table(r).splitlines()[1]
+        return "WARNING" in format_table(BenchResults.from_json(r)).splitlines()[1]
 
     assert not warned(busy_cpus_start=0.1, load_average_start=[2.8, 2.0, 1.5])
     assert warned(busy_cpus_start=1.2, load_average_start=[0.1, 0.1, 0.1])
@@ -322,13 +362,13 @@ def test_the_run_is_provisional_when_other_programs_keep_cpus_busy_at_its_start(
 
 
 def test_a_ratio_just_under_its_target_is_not_printed_as_reaching_it():
-    from benchmarks.bench import _against
+    from benchmarks.report import fmt_against
 
-    assert _against(0.8451, 0.85) == "0.845"
-    assert _against(0.8449, 0.85) == "0.84"
-    assert _against(0.8501, 0.85) == "0.85"
-    assert _against(0.8149, 0.85) == "0.81"
-    assert _against(2.996, 3.0) == "2.996"
+    assert fmt_against(0.8451, 0.85) == "0.845"
+    assert fmt_against(0.8449, 0.85) == "0.84"
+    assert fmt_against(0.8501, 0.85) == "0.85"
+    assert fmt_against(0.8149, 0.85) == "0.81"
+    assert fmt_against(2.996, 3.0) == "2.996"
 
 
 def test_every_pipeline_reads_the_corpus_epochs_times(tmp_path):
