@@ -1,0 +1,77 @@
+"""The host feed as a ``grain.IterDataset``: grain's transformations run on top of it.
+
+``FeedDataset`` is a source ``IterDataset``: each ``iter`` starts a new feed (a
+``FeedIterator``) at step 0, and grain's datasets built on it (``map``, ``filter``,
+``ThreadPrefetchIterDataset``, ``mp_prefetch``) pass ``get_state``/``set_state`` down to it,
+so a state saved from the outermost iterator restores the feed exactly::
+
+    ds = FeedDataset(config, sharding=sharding, host_local=True).map(add_loss_mask)
+    it = iter(ds)
+    batch = next(it)                  # the feed's batch, through add_loss_mask
+    state = it.get_state()            # the feed's state, under grain's keys
+    it = iter(ds); it.set_state(state)  # continues after that batch
+
+The feed is one ordered stream per host: it cannot be split between grain's prefetch workers.
+``mp_prefetch`` works with one worker (the feed then runs in that child process; use
+``host_local=True`` there, numpy crosses processes, ``jax.Array``s and Ray handles do not);
+more workers are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+from jax.sharding import NamedSharding
+
+from ingest.config import Config
+from jax_side.grain_iter import FeedIterator
+
+__all__ = ["FeedDataset"]
+
+
+class FeedDataset(grain.IterDataset):
+    """A source ``grain.IterDataset`` whose iterators are feeds from step 0.
+
+    Args:
+      config: the validated config.
+      sharding: a ``NamedSharding`` for ``[global_batch_size, seq_len]`` arrays.
+      backend: ``ray`` (worker actors; Ray must be initialized) or ``local``.
+      host_local: yield this host's rows as numpy arrays (``HostLocalFeed``) instead of global
+        ``jax.Array``s.
+      **feed_options: further ``HostFeed`` arguments (``workers``, ``plan``,
+        ``device_prefetch``, ``get_timeout_s``).
+    """
+
+    def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
+                 host_local: bool = False, **feed_options: Any):
+        super().__init__()
+        self._config = config
+        self._sharding = sharding
+        self._backend = backend
+        self._host_local = host_local
+        self._options = feed_options
+
+    def __iter__(self) -> FeedIterator:
+        return FeedIterator(self._config, sharding=self._sharding, backend=self._backend,
+                            host_local=self._host_local, **self._options)
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """grain's prefetch workers call this with their share; the feed is one ordered stream
+        per host, so only the whole of it (one worker) is a share it can give.
+
+        Raises:
+          ValueError: a share other than the whole feed (more than one prefetch worker).
+        """
+        del sequential_slice
+        if (sl.start or 0) != 0 or sl.stop is not None or (sl.step or 1) != 1:
+            raise ValueError(
+                f"FeedDataset cannot be split between grain prefetch workers (asked for slice "
+                f"{sl}): the feed is one ordered stream per host. Use "
+                f"mp_prefetch(grain.MultiprocessingOptions(num_workers=1)), or "
+                f"grain.experimental.ThreadPrefetchIterDataset, or the feed's own "
+                f"device_prefetch")
+
+    def __str__(self) -> str:
+        return (f"FeedDataset(backend={self._backend!r}, host_local={self._host_local}, "
+                f"streams={self._config.num_streams})")
