@@ -5,18 +5,25 @@ IterDataset transformations, the state restoring exactly through them."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import grain
 import jax
 import numpy as np
 import pytest
-from helpers import make_config, write_parquet_corpus
+from helpers import free_port, make_config, write_parquet_corpus
 
 from ingest.shift import FIELDS
 from jax_side import HostFeed, batch_sharding
 from jax_side.grain_dataset import FeedDataset
 from jax_side.host_local import HostLocalFeed
 
+ROOT = Path(__file__).resolve().parents[1]
+CHILD_TIMEOUT_S = 180  # generous for 2 shared CPUs; a healthy run takes seconds
 MAX_STEPS = 200  # far above the runs here: a feed that never ends fails instead of hanging
 FEED = dict(seq_len=32, global_batch_size=8, num_streams=4, unit_rows=5, chunk_rows=3,
             workers=2, prefetch=2)
@@ -194,3 +201,69 @@ def test_grain_prefetch_workers_cannot_split_the_feed(config):
     with pytest.raises(ValueError, match="num_workers=1"):
         ds.set_slice(slice(0, None, 2))
     ds.set_slice(slice(0, None, 1))  # the whole feed: one worker
+
+
+# -- two JAX processes: each yields its own half of the rows ------------------------------------
+
+HOSTS, DEVICES_PER_HOST = 2, 4
+
+
+def _child(pid: int, port: str, corpus: str, out: str) -> None:
+    """One of two JAX processes: the host-local rows, and its devices' rows of HostFeed's
+    global arrays, for every step."""
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=HOSTS,
+                               process_id=pid, initialization_timeout=CHILD_TIMEOUT_S)
+    config = make_config([corpus], **FEED)
+    sharding = data_sharding()
+    with HostFeed(config, sharding=sharding, backend="local") as feed:
+        held = [local_rows_of(batch) for batch in feed]
+    with HostLocalFeed(config, sharding=sharding, backend="local") as feed:
+        local = [dict(batch) for batch in feed]
+        streams = list(feed.streams)
+    np.savez(out, streams=np.array(streams),
+             **{f"held_{t}_{f}": b[f] for t, b in enumerate(held) for f in FIELDS},
+             **{f"local_{t}_{f}": b[f] for t, b in enumerate(local) for f in FIELDS})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.multidevice
+def test_each_of_two_hosts_yields_the_rows_its_devices_hold(config, corpus, tmp_path):
+    whole = run(HostLocalFeed(config, sharding=data_sharding(), backend="local",
+                              get_timeout_s=60))  # one process, 8 devices: every row
+    port = str(free_port())
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_HOST}",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    procs = []
+    for i in range(HOSTS):
+        with open(tmp_path / f"err{i}.txt", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "child", str(i), port, str(corpus),
+                 str(tmp_path / f"out{i}.npz")], cwd=ROOT, env=env, stderr=err,
+                stdout=subprocess.DEVNULL))
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    errs = [(tmp_path / f"err{i}.txt").read_text()[-3000:] for i in range(HOSTS)]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    rows = config.global_batch_size // HOSTS
+    for i in range(HOSTS):
+        out = np.load(tmp_path / f"out{i}.npz")
+        assert list(out["streams"]) == [2 * i, 2 * i + 1]
+        for t, w in enumerate(whole):
+            for f in FIELDS:
+                got = out[f"local_{t}_{f}"]
+                np.testing.assert_array_equal(got, out[f"held_{t}_{f}"],
+                                              err_msg=f"host {i} step {t} {f}")
+                np.testing.assert_array_equal(got, w[f][i * rows:(i + 1) * rows],
+                                              err_msg=f"host {i} step {t} {f}")
+        assert f"local_{len(whole)}_inputs" not in out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    _child(int(sys.argv[2]), *sys.argv[3:])
