@@ -11,10 +11,12 @@ so a state saved from the outermost iterator restores the feed exactly::
     state = it.get_state()            # the feed's state, under grain's keys
     it = iter(ds); it.set_state(state)  # continues after that batch
 
-The feed is one ordered stream per host: it cannot be split between grain's prefetch workers.
-``mp_prefetch`` works with one worker (the feed then runs in that child process; use
-``host_local=True`` there, numpy crosses processes, ``jax.Array``s and Ray handles do not);
-more workers are refused.
+The feed is one ordered stream per host, and it belongs to this JAX process (its sharding names
+this process's devices, the end-of-data agreement runs between the JAX processes): it can
+neither be split between grain's prefetch workers nor move into one. ``mp_prefetch`` on top of
+it is refused with that explanation; prefetch in a thread instead
+(``grain.experimental.ThreadPrefetchIterDataset``, which overlaps ``map`` work that releases the
+GIL) and keep the feed's own ``device_prefetch``, whose thread already assembles the batches.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from ingest.config import Config
 from jax_side.grain_iter import FeedIterator
 
 __all__ = ["FeedDataset"]
+
+_ONE_PROCESS = (
+    "the feed is one ordered stream per host, made in the JAX process whose devices it fills. "
+    "Instead of mp_prefetch, prefetch in a thread (grain.experimental.ThreadPrefetchIterDataset) "
+    "and raise the feed's own device_prefetch")
 
 
 class FeedDataset(grain.IterDataset):
@@ -57,20 +64,21 @@ class FeedDataset(grain.IterDataset):
                             host_local=self._host_local, **self._options)
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """grain's prefetch workers call this with their share; the feed is one ordered stream
-        per host, so only the whole of it (one worker) is a share it can give.
+        """grain's prefetch workers would take a share of the dataset each: refused.
 
         Raises:
-          ValueError: a share other than the whole feed (more than one prefetch worker).
+          ValueError: always, naming what to use instead.
         """
-        del sequential_slice
-        if (sl.start or 0) != 0 or sl.stop is not None or (sl.step or 1) != 1:
-            raise ValueError(
-                f"FeedDataset cannot be split between grain prefetch workers (asked for slice "
-                f"{sl}): the feed is one ordered stream per host. Use "
-                f"mp_prefetch(grain.MultiprocessingOptions(num_workers=1)), or "
-                f"grain.experimental.ThreadPrefetchIterDataset, or the feed's own "
-                f"device_prefetch")
+        raise ValueError(f"FeedDataset cannot be split between grain prefetch workers (asked "
+                         f"for slice {sl}, sequential_slice={sequential_slice}): {_ONE_PROCESS}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: a feed runs in the JAX process whose devices it fills.
+
+        Raises:
+          TypeError: always (grain's ``mp_prefetch`` pickles its dataset for its workers).
+        """
+        raise TypeError(f"FeedDataset cannot be pickled into another process: {_ONE_PROCESS}")
 
     def __str__(self) -> str:
         return (f"FeedDataset(backend={self._backend!r}, host_local={self._host_local}, "

@@ -196,11 +196,16 @@ def test_state_restores_exactly_through_grain_datasets_on_the_feed(config):
 
 
 @pytest.mark.multidevice
-def test_grain_prefetch_workers_cannot_split_the_feed(config):
+def test_grain_mp_prefetch_on_the_feed_is_refused_naming_the_alternative(config):
     ds = FeedDataset(config, sharding=data_sharding(), backend="local", host_local=True)
-    with pytest.raises(ValueError, match="num_workers=1"):
+    with pytest.raises(ValueError, match="ThreadPrefetchIterDataset"):
         ds.set_slice(slice(0, None, 2))
-    ds.set_slice(slice(0, None, 1))  # the whole feed: one worker
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # grain's mp_prefetch reads absl flags, outside app.run
+        flags.FLAGS.mark_as_parsed()
+    with pytest.raises(Exception, match="ThreadPrefetchIterDataset"):
+        next(iter(ds.map(add_mask).mp_prefetch(grain.MultiprocessingOptions(num_workers=1))))
 
 
 # -- two JAX processes: each yields its own half of the rows ------------------------------------
