@@ -103,3 +103,26 @@ def test_example_command_runs_on_the_demo_corpus(name):
                               "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "next step 2" in out.stdout
+
+
+@pytest.mark.slow
+def test_training_entry_point_reads_a_config_and_resumes(tmp_path):
+    """examples/train.py as the cluster recipes run it: --config, then a restart."""
+    write_parquet_corpus(tmp_path / "data", n_files=2, docs_per_file=60, row_group_size=16,
+                         seed=3)
+    (tmp_path / "corpus.yaml").write_text(
+        f"sources:\n  - paths: [{tmp_path / 'data'}]\ntokenizer: gpt2\nseq_len: 32\n"
+        f"global_batch_size: 8\nnum_streams: 4\nunit_rows: 8\n")
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "--backend", "local",
+           "--config", str(tmp_path / "corpus.yaml"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--checkpoint-every", "2", "--dim", "8"]
+    first = subprocess.run([*cmd, "--steps", "4"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "step    4" in first.stdout
+    again = subprocess.run([*cmd, "--steps", "6"], capture_output=True, text=True, timeout=300,
+                           env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed at step 4" in again.stderr and "step    5" in again.stdout
