@@ -182,6 +182,8 @@ def test_state_restores_exactly_through_grain_datasets_on_the_feed(config):
     it.set_state(state)  # back, on the same iterator
     again = [next(it) for _ in range(2)]
     it.close()
+    # The feed made anew by set_state is host-local too.
+    assert all(type(b[name]) is np.ndarray for b in again for name in FIELDS)
     for a, b, w in zip(later, again, whole[4:6], strict=True):
         for name in w:
             np.testing.assert_array_equal(a[name], w[name])
