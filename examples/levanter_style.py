@@ -8,7 +8,8 @@ batches from the step of its latest checkpoint. ``HostFeed`` yields global ``jax
 loop's sharding; the feed's position is not a function of the step number alone (how many rows a
 document gives depends on the tokenizer and packing), so the feed state is saved in the same
 checkpoint step (``jax_side.checkpoint.FeedSave``), and ``feed_from_step`` is the loader's
-"from step N": the feed as saved at checkpoint step N.
+"from step N": the feed as saved at checkpoint step N, or, for a step without a saved state, the
+last saved state before it read forward to step N.
 """
 
 from __future__ import annotations
@@ -25,19 +26,24 @@ from ingest import step_digest
 from ingest.config import Config
 from ingest.demo import demo_config
 from jax_side import HostFeed, batch_sharding, checkpoint
+from jax_side.host_local import fast_forward
 
 
 def feed_from_step(config: Config, sharding: jax.sharding.NamedSharding,
                    manager: ocp.CheckpointManager, step: int, backend: str) -> HostFeed:
-    """The feed positioned after global step ``step``: from 0, or restored from the feed state
-    saved at checkpoint step ``step`` (every process's file merged, so the job may restart on
-    another number of hosts)."""
+    """The feed positioned after global step ``step``: the feed state saved at checkpoint step
+    ``step`` (every process's file merged, so the job may restart on another number of hosts);
+    for a step without one, the latest saved state before it read forward to ``step``
+    (``host_local.fast_forward``: exact, at the cost of reading the steps in between)."""
+    saved = [s for s in manager.all_steps() if s <= step]
+    state = checkpoint.restore_feed(manager, max(saved)) if saved else None
+    if state is not None and state["step"] != max(saved):
+        raise ValueError(f"checkpoint step {max(saved)} holds the feed state of step "
+                         f"{state['step']}; save the feed at the step it serves")
+    if step and (state is None or state["step"] < step):
+        state = fast_forward(config, sharding=sharding, step=step, backend=backend, state=state)
     feed = HostFeed(config, sharding=sharding, backend=backend)
-    if step:
-        state = checkpoint.restore_feed(manager, step)
-        if state["step"] != step:
-            raise ValueError(f"checkpoint step {step} holds the feed state of step "
-                             f"{state['step']}; save the feed at the step it serves")
+    if state is not None:
         feed.set_state(state)
     return feed
 
