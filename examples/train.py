@@ -1,6 +1,6 @@
 """A tiny language model trained on the feed, with model and feed checkpointed together.
 
-    python examples/train.py --steps 30 --checkpoint-dir /tmp/ckpt [--backend local]
+    python examples/train.py --steps 30 --checkpoint-dir /tmp/ckpt [--backend local] [--config C]
 
 Every ``--checkpoint-every`` steps one ``ocp.CheckpointManager`` saves the parameters and the
 feed state into the same step directory (``ckpt/10/params``, ``ckpt/10/feed``). Run the command
@@ -10,7 +10,9 @@ match the unbroken run's step for step.
 
 The model (tied embedding, one residual tanh layer, no attention) only shows the wiring; it
 trains with plain SGD on ``jax.grad`` and takes the loss where ``targets_segmentation != 0``.
-The data is the built-in demo corpus (the Python standard library's source).
+The data is the corpus of ``--config`` (a corpus.yaml), by default the built-in demo corpus (the
+Python standard library's source). In a Ray job (cluster/rayjob-train-gpu.yaml) it joins the
+job's cluster (``RAY_ADDRESS``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ingest.config import load_config
 from ingest.demo import demo_config
 from ingest.tokenize import load_tokenizer
 from jax_side import HostFeed, batch_sharding, checkpoint
@@ -72,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", help="Ray cluster address (default: start one on 127.0.0.1)")
     p.add_argument("--learning-rate", type=float, default=1.0)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--config", help="corpus config (corpus.yaml); default: the demo corpus")
     args = p.parse_args(argv)
 
     # Small rows and batches so that a step takes well under a second on CPU.
-    config = demo_config(seq_len=64, global_batch_size=8, num_streams=4, workers=2)
+    config = (load_config(args.config) if args.config else
+              demo_config(seq_len=64, global_batch_size=8, num_streams=4, workers=2))
     if args.backend == "ray":
         from jax_side.run import start_ray
 

@@ -2,10 +2,11 @@
 
 import importlib
 
-__all__ = ["EvalFeed", "FeedIterator", "HostFeed", "HostRows", "LocalSource", "batch_sharding",
-           "host_rows"]
+__all__ = ["EvalFeed", "FeedDataset", "FeedIterator", "HostFeed", "HostLocalFeed", "HostRows",
+           "LocalSource", "batch_sharding", "host_rows"]
 
-_WHERE = {"EvalFeed": "eval_feed", "FeedIterator": "grain_iter", "HostFeed": "feed",
+_WHERE = {"EvalFeed": "eval_feed", "FeedDataset": "grain_dataset", "FeedIterator": "grain_iter",
+          "HostFeed": "feed", "HostLocalFeed": "host_local",
           "LocalSource": "chunk_intake",
           "HostRows": "sharding", "batch_sharding": "sharding", "host_rows": "sharding"}
 

@@ -252,6 +252,11 @@ class HostFeed:
         self.counters.passes += 1
 
     def __next__(self) -> dict[str, jax.Array]:
+        return self._next_step().arrays()
+
+    def _next_step(self) -> AssembledStep:
+        """The next step, counted and its state delivered, before any global array is formed
+        (``jax_side.host_local`` hands out its rows as they are)."""
         if self._done:
             raise StopIteration
         if not self._prefetch.started:
@@ -277,7 +282,7 @@ class HostFeed:
         self.counters.count_batch(now, waited, item.tokens, item.padding_rows, item.padding_tokens)
         self._pass_started = True
         self._state = item.state
-        return item.arrays()
+        return item
 
     def _finish(self) -> None:
         """At the end of the data: stops the producer, counts every real row not delivered

@@ -26,10 +26,12 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from ingest.config import Config
 from jax_side.feed import HostFeed
+from jax_side.host_local import HostLocalFeed
 
 __all__ = ["FeedIterator"]
 
@@ -46,14 +48,18 @@ class FeedIterator(grain.DatasetIterator):
       config: the validated config.
       sharding: a ``NamedSharding`` for ``[global_batch_size, seq_len]`` arrays.
       backend: ``ray`` (worker actors; Ray must be initialized) or ``local``.
+      host_local: yield this host's rows as numpy arrays (``HostLocalFeed``) instead of
+        global ``jax.Array``s, for stacks that form the global arrays themselves.
       **feed_options: further ``HostFeed`` arguments (``workers``, ``plan``,
         ``device_prefetch``, ``get_timeout_s``).
     """
 
     def __init__(self, config: Config, *, sharding: NamedSharding, backend: str = "ray",
-                 **feed_options: Any):
+                 host_local: bool = False, **feed_options: Any):
         super().__init__()
-        self._feed = HostFeed(config, sharding=sharding, backend=backend, **feed_options)
+        self._feed_class = HostLocalFeed if host_local else HostFeed
+        self._feed = self._feed_class(config, sharding=sharding, backend=backend,
+                                      **feed_options)
         # Later feeds reuse the plan: no second listing of the corpus on set_state.
         self._options = {**feed_options, "plan": self._feed.plan}
         self._taken = False
@@ -68,7 +74,7 @@ class FeedIterator(grain.DatasetIterator):
         iter(self._feed)  # reset_after_epoch: a new loop over a finished pass restarts it
         return self
 
-    def __next__(self) -> dict[str, jax.Array]:
+    def __next__(self) -> dict[str, jax.Array] | dict[str, np.ndarray]:
         self._check_open()
         self._taken = True
         return next(self._feed)
@@ -87,8 +93,8 @@ class FeedIterator(grain.DatasetIterator):
         self._check_open()
         if self._taken:
             old = self._feed
-            self._feed = HostFeed(old.config, sharding=old.sharding, backend=old.backend,
-                                  **self._options)
+            self._feed = self._feed_class(old.config, sharding=old.sharding,
+                                          backend=old.backend, **self._options)
             old.close()
             self._taken = False
         self._feed.set_state(state)

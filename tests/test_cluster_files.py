@@ -273,3 +273,164 @@ def test_dockerfile_copies_every_package_and_what_the_build_needs():
     assert {p.rstrip("*") for p in packages} <= copied
     assert {"pyproject.toml", pyproject()["readme"]} <= copied
     assert all((ROOT / c).exists() for c in copied), copied
+
+
+# -- the training recipes: rayjob-train-{gpu,tpu}.yaml, Dockerfile.{gpu,tpu} -------------------
+
+# accelerator: (manifest, Dockerfile, Kubernetes resource, jax extra, JAX_PLATFORMS)
+TRAIN = {"gpu": ("rayjob-train-gpu.yaml", "Dockerfile.gpu", "nvidia.com/gpu", "cuda12", "cuda"),
+         "tpu": ("rayjob-train-tpu.yaml", "Dockerfile.tpu", "google.com/tpu", "tpu", "tpu")}
+ACCELERATORS = sorted(TRAIN)
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return spec["containers"]
+
+
+def groups(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+
+
+def accelerator_group(job: dict[str, Any], resource: str) -> dict[str, Any]:
+    found = [g for g in groups(job).values()
+             if any(resource in c["resources"].get("limits", {})
+                    for c in containers(g["template"]["spec"]))]
+    assert len(found) == 1, f"expected one worker group with {resource}, got {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("acc", ACCELERATORS)
+def test_training_rayjob_is_valid_for_kuberay(rayjob_schema, acc):
+    jsonschema.Draft7Validator(rayjob_schema).validate(load(TRAIN[acc][0]))
+
+
+@pytest.mark.parametrize("acc", ACCELERATORS)
+@pytest.mark.parametrize("break_it", [
+    lambda j: j["spec"].update(entrypointNumGPUs=8),                            # misspelled
+    lambda j: j["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+        "lifecycle"].update(prestop={"exec": {"command": ["ray", "stop"]}}),   # misspelled
+    lambda j: j["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0][
+        "ports"].append({"containerPort": "6379"}),                            # not an integer
+])
+def test_training_rayjob_schema_rejects_broken_manifests(rayjob_schema, acc, break_it):
+    job = copy.deepcopy(load(TRAIN[acc][0]))
+    break_it(job)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(rayjob_schema).validate(job)
+
+
+@pytest.mark.parametrize("acc", ACCELERATORS)
+def test_training_rayjob_puts_ingest_on_cpu_pods_and_training_on_the_accelerators(acc):
+    name, _, resource, _, platform = TRAIN[acc]
+    job = load(name)
+    cluster = job["spec"]["rayClusterSpec"]
+    train = accelerator_group(job, resource)
+    cpu_groups = [g for g in groups(job).values() if g is not train]
+    assert cpu_groups, "no CPU worker group for the ingest workers"
+    # Ingest workers ask Ray for CPUs only: the head and the training pods offer none, so
+    # every worker actor lands on a CPU pod.
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert train["rayStartParams"]["num-cpus"] == "0"
+    for g in cpu_groups:
+        assert g["rayStartParams"].get("num-cpus") != "0", g["groupName"]
+        for c in containers(g["template"]["spec"]):
+            assert not set(c["resources"]["limits"]) - {"cpu", "memory"}, g["groupName"]
+    if any("minReplicas" in g or "maxReplicas" in g for g in cpu_groups):
+        assert cluster.get("enableInTreeAutoscaling") is True
+    # The entry point asks for every accelerator of the training pod, so Ray runs it there.
+    (container,) = containers(train["template"]["spec"])
+    chips = int(container["resources"]["limits"][resource])
+    assert int(container["resources"]["requests"][resource]) == chips
+    asked = (job["spec"].get("entrypointNumGpus") if acc == "gpu"
+             else json.loads(job["spec"]["entrypointResources"])["TPU"])
+    assert asked == chips
+    assert train["replicas"] == train["minReplicas"] == train["maxReplicas"] == 1
+    assert {"name": "JAX_PLATFORMS", "value": platform} in container["env"]
+
+
+@pytest.mark.parametrize("acc", ACCELERATORS)
+def test_every_training_rayjob_pod_has_requests_limits_ports_and_a_prestop_hook(acc):
+    job = load(TRAIN[acc][0])
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    for spec in pod_specs(job):
+        for c in containers(spec):
+            res = c["resources"]
+            for kind in ("cpu", "memory"):
+                assert kind in res["requests"] and kind in res["limits"], (c["name"], kind)
+            # Requests equal to limits: the pods' QoS is Guaranteed, never evicted first.
+            assert res["requests"] == res["limits"], c["name"]
+            assert c["lifecycle"]["preStop"]["exec"]["command"][-1] == "ray stop", c["name"]
+            assert any(p["name"] == "metrics" for p in c["ports"]), c["name"]
+    head_ports = {p["containerPort"]: p["name"] for p in containers(head)[0]["ports"]}
+    assert {6379: "gcs-server", 8265: "dashboard", 10001: "client"}.items() <= head_ports.items()
+
+
+def train_flags() -> set[str]:
+    return set(re.findall(r'add_argument\("(--[\w-]+)"',
+                          (ROOT / "examples" / "train.py").read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("acc", ACCELERATORS)
+def test_training_rayjob_runs_the_training_example_that_its_image_holds(acc):
+    name, dockerfile, resource, _, _ = TRAIN[acc]
+    job = load(name)
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["python", "/home/ray/ingest/examples/train.py"]
+    flags = {a for a in argv[2:] if a.startswith("--")}
+    assert flags <= train_flags(), flags - train_flags()
+    text = (CLUSTER / dockerfile).read_text(encoding="utf-8")
+    assert "COPY --chown=ray:users examples /home/ray/ingest/examples" in text
+    ignored = (CLUSTER / f"{dockerfile}.dockerignore").read_text(encoding="utf-8").splitlines()
+    assert "examples" not in ignored
+    # The config and the checkpoint directory are where the training pod mounts them.
+    (container,) = containers(accelerator_group(job, resource)["template"]["spec"])
+    spec = accelerator_group(job, resource)["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    config = Path(argv[argv.index("--config") + 1])
+    assert mounts[str(config.parent)]["configMap"]["name"] == load("ingest-config.yaml")[
+        "metadata"]["name"]
+    assert config.name in load("ingest-config.yaml")["data"]
+    ckpt = Path(argv[argv.index("--checkpoint-dir") + 1])
+    assert mounts[str(ckpt.parent)]["persistentVolumeClaim"]["claimName"] == load(
+        "shared-pvc.yaml")["metadata"]["name"]
+    # Images: the head and the ingest pods run cluster/Dockerfile's, the training pod its own.
+    base = load("cluster.yaml")["docker"]["image"]
+    built = re.search(rf"docker build -f cluster/{re.escape(dockerfile)} -t (\S+) \.", text)
+    assert built, f"cluster/{dockerfile} names no build command"
+    assert container["image"] == built.group(1) == f"{base}-{acc}"
+    others = {c["image"] for s in pod_specs(job) for c in containers(s)} - {container["image"]}
+    assert others == {base}
+    named = set(re.findall(r"kubectl logs -f job/([\w-]+)", (CLUSTER / name).read_text()))
+    assert named == {job["metadata"]["name"]}
+
+
+@pytest.mark.parametrize("acc", ACCELERATORS)
+def test_accelerator_dockerfile_installs_the_tested_ray_and_jax_build(acc):
+    _, dockerfile, _, extra, _ = TRAIN[acc]
+    text = (CLUSTER / dockerfile).read_text(encoding="utf-8")
+    (image,) = base_images(text)
+    m = re.fullmatch(r"rayproject/ray:([\d.]+)-py(\d)(\d+)-(cpu|gpu)", image)
+    assert m and m.group(1) == image_version("ray"), image
+    assert m.group(4) == ("gpu" if acc == "gpu" else "cpu"), image  # CUDA libraries for GPUs
+    assert f'"jax[{extra}]=={image_version("jax")}"' in text
+    copied = set()
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] == "COPY":
+            copied |= {w for w in words[1:-1] if not w.startswith("--")}
+    main = set()
+    for line in (CLUSTER / "Dockerfile").read_text(encoding="utf-8").splitlines():
+        words = line.split()
+        if words and words[0] == "COPY":
+            main |= {w for w in words[1:-1] if not w.startswith("--")}
+    assert copied == main | {"examples"}
+
+
+def test_cluster_readme_walks_through_the_training_jobs():
+    readme = (CLUSTER / "README.md").read_text(encoding="utf-8")
+    for acc in ACCELERATORS:
+        name, dockerfile, *_ = TRAIN[acc]
+        assert f"kubectl apply -f cluster/{name}" in readme
+        assert f"docker build -f cluster/{dockerfile}" in readme
+        assert f"kubectl logs -f job/{load(name)['metadata']['name']}" in readme
