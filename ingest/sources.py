@@ -46,6 +46,9 @@ class FileInfo:
         its column statistics), the Arrow footer (an IPC file's; a stream has none) plus the
         file's first and last 64 KiB, all of a JSONL file, or an in-memory table's content.
       table: the table of an in-memory source (format ``memory``), else None.
+      group_offsets: for JSONL, the (decompressed) byte offset of each group's first line,
+        and the end: a file is split into groups of whole lines (``jsonl.GROUP_BYTES``), so
+        that a reader holds a group, never the whole file. Empty for other formats.
     """
 
     path: str
@@ -55,6 +58,7 @@ class FileInfo:
     group_bytes: tuple[int, ...]
     content_key: str = ""
     table: pa.Table | None = dataclasses.field(default=None, repr=False, compare=False)
+    group_offsets: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -88,6 +92,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
         ``column_type`` (the column is absent or not string/binary, or not list<int>).
     """
     fmt = format_of(path, fmt)
+    offsets: tuple[int, ...] = ()
     if fmt is None:
         raise BadInputError(
             f"{path}: unknown file type; use .parquet, .arrow/.feather or .jsonl (plain or "
@@ -117,8 +122,8 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
-            n, nbytes, key = jsonl.count_lines(fs, local)
-            rows, nbytes = (n,), (max(1, nbytes),)
+            rows, offsets, key = jsonl.scan(fs, local)
+            nbytes = tuple(max(1, b - a) for a, b in zip(offsets, offsets[1:]))
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -127,7 +132,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
             f"it, or set on_bad_file: skip to skip it (counted)",
             reason="corrupt_file", path=path) from e
     return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes,
-                    content_key=key)
+                    content_key=key, group_offsets=offsets)
 
 
 def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:
@@ -314,7 +319,8 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
     plan said ``large``."""
     global _row_group_bytes
     if info.format == "jsonl":
-        table = jsonl.read_table(info.path, fs, local, column, info.row_groups[0])
+        table = jsonl.read_table(info.path, fs, local, column, info.row_groups[group],
+                                 **_jsonl_group(info, group))
     else:
         reader = _open(info, fs, local)
         if info.format == "parquet":
@@ -381,8 +387,10 @@ def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int)
     if cursor is not None:
         return cursor
     if info.format == "jsonl":
-        f = fs.open_input_stream(local)  # decompressed by its suffix
-        return _Cursor(f, jsonl.parse_blocks(info.path, f, column))
+        where = _jsonl_group(info, group)
+        f = jsonl.open_range(fs, local, where["start"], where["stop"],
+                             compressed=where["compressed"])
+        return _Cursor(f, jsonl.parse_blocks(info.path, f, column, where["first_line"]))
     metadata = _open(info, fs, local).metadata  # the footer, parsed once per file
     f = fs.open_input_file(local)
     try:
@@ -422,10 +430,22 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
     return _joined(pieces)
 
 
+def _jsonl_group(info: FileInfo, group: int) -> dict:
+    """Where group ``group`` of a JSONL file lies: its bytes, its first line, and whether the
+    file is compressed (read from its start, not seeked)."""
+    if not info.group_offsets:  # described without offsets: the whole file is one group
+        return {"start": 0, "stop": None, "first_line": 0,
+                "compressed": info.path.endswith(COMPRESSED)}
+    return {"start": info.group_offsets[group], "stop": info.group_offsets[group + 1],
+            "first_line": sum(info.row_groups[:group]),
+            "compressed": info.path.endswith(COMPRESSED)}
+
+
 def _changed(info: FileInfo, group: int, found: str) -> BadInputError:
     """The error for a group that no longer has the rows the plan counted (``found`` now)."""
     return BadInputError(
-        f"{info.path}: " + (f"the file has {found} lines" if info.format == "jsonl" else
+        f"{info.path}: " + (f"lines {sum(info.row_groups[:group]) + 1}.. (group {group}) are "
+                            f"{found} lines" if info.format == "jsonl" else
                             f"row group {group} has {found} rows")
         + f", and had {info.row_groups[group]} "
         f"when the plan was built: the file changed since; restart the job to plan afresh, or "

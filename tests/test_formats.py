@@ -177,9 +177,9 @@ def test_each_jsonl_file_is_parsed_once_however_streams_interleave(tmp_path, mon
     parsed = Counter()
     real = jsonl.read_table
 
-    def counting(path, *args):
+    def counting(path, *args, **kwargs):
         parsed[path] += 1
-        return real(path, *args)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(jsonl, "read_table", counting)
     forget_decoded()
@@ -310,3 +310,47 @@ def test_decode_texts_codes_every_row_of_any_slice_as_its_value_says(kind):
         assert codes.tolist() == want, (kind, rows, a, b)
         assert [t for t, c in zip(texts, codes, strict=True) if c == 0] == \
             [v for v, c in zip(rows[a:b], want, strict=True) if c == 0]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_jsonl_file_read_in_groups_gives_what_the_whole_file_does(tmp_path, monkeypatch,
+                                                                    suffix, sequential):
+    """A JSONL file is split into groups of lines found by byte offset (plain) or by reading
+    on (compressed), so a reader holds a group, never the file: every row, with its bad-line
+    reasons and their line numbers, as a parse of the whole file gives them."""
+    texts = make_texts(300, 7)
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[0] = "\ufeff" + lines[0]
+    lines[41] = "{not json"
+    lines[150] = "[1, 2]"
+    data = ("\n".join(lines)).encode()  # the last line without a newline
+    path = tmp_path / f"f{suffix}"
+    if suffix.endswith(".gz"):
+        path.write_bytes(gzip.compress(data))
+    elif suffix.endswith(".zst"):
+        with pa.CompressedOutputStream(str(path), "zstd") as out:
+            out.write(data)
+    else:
+        path.write_bytes(data)
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 2000)
+    forget_decoded()
+    info = describe_file(str(path), None, "text")
+    assert len(info.row_groups) > 5 and info.num_rows == 300
+    assert info.group_offsets[-1] == len(data)
+    fs, local = paths.filesystem(str(path))
+    whole = jsonl.read_table(str(path), fs, local, "text", 300)
+    want = whole.column(0).cast(pa.binary()).to_pylist()
+    want_bad = whole.column(1).to_pylist()
+    got, got_bad = [], []
+    try:
+        for g, rows in enumerate(info.row_groups):
+            for start in range(0, rows, 7):
+                stop = min(rows, start + 7)
+                arr, bad = read_texts(info, g, start, stop, "text", sequential=sequential)
+                got += arr.cast(pa.binary()).to_pylist() if arr.type != pa.binary() \
+                    else arr.to_pylist()
+                got_bad += bad.tolist() if bad is not None else [0] * (stop - start)
+    finally:
+        forget_decoded()
+    assert got == want and got_bad == want_bad
