@@ -444,8 +444,9 @@ def _jsonl_group(info: FileInfo, group: int) -> dict:
 def _changed(info: FileInfo, group: int, found: str) -> BadInputError:
     """The error for a group that no longer has the rows the plan counted (``found`` now)."""
     return BadInputError(
-        f"{info.path}: " + (f"lines {sum(info.row_groups[:group]) + 1}.. (group {group}) are "
-                            f"{found} lines" if info.format == "jsonl" else
+        f"{info.path}: " + ((f"the file has {found} lines" if len(info.row_groups) == 1 else
+                             f"the group of lines from line {sum(info.row_groups[:group]) + 1} "
+                             f"has {found} lines") if info.format == "jsonl" else
                             f"row group {group} has {found} rows")
         + f", and had {info.row_groups[group]} "
         f"when the plan was built: the file changed since; restart the job to plan afresh, or "
