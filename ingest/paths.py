@@ -119,8 +119,13 @@ def format_of(path: str, forced: str | None) -> str | None:
     return SUFFIXES.get(ext)
 
 
+# What ``datasets``' ``save_to_disk`` writes beside the data: never data itself.
+DATASETS_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
+
+
 def _hidden(path: str) -> bool:
-    return os.path.basename(path).startswith((".", "_"))
+    name = os.path.basename(path)
+    return name.startswith((".", "_")) or name in DATASETS_METADATA
 
 
 _MAGIC = re.compile(r"[*?[]")
@@ -266,6 +271,7 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
             found.append(p)
         elif info.type == pafs.FileType.Directory:
             listed = _files_under(fs, base)
+            _no_dataset_dict(fs, p, base, listed)
             hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
             hits, orders = _saved_datasets(fs, listed, hits)
             if is_uri:
@@ -288,6 +294,28 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
         for i, f in zip(at, dict.fromkeys(files), strict=True):
             out[i] = f
     return out
+
+
+def _no_dataset_dict(fs: pafs.FileSystem, given: str, base: str, listed: list[str]) -> None:
+    """Refuses a folder that holds a ``DatasetDict`` (``dataset_dict.json``, written by
+    ``datasets``' ``save_to_disk``): read whole, its splits would be pooled, and a model
+    would train on its validation split. The user names one split's folder instead."""
+    for f in sorted(listed):
+        if os.path.basename(f) != "dataset_dict.json":
+            continue
+        folder = f[:-len("dataset_dict.json")].rstrip("/")
+        try:
+            with fs.open_input_stream(f) as stream:
+                splits = [str(x) for x in json.loads(stream.read())["splits"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = []
+        where = given.rstrip("/") + folder[len(base.rstrip("/")):]
+        example = f"{where}/{splits[0] if splits else 'train'}"
+        raise ValueError(
+            f"{where} is a datasets DatasetDict folder (dataset_dict.json) with "
+            f"splits {splits or '(unreadable list)'}; read whole, its splits would be mixed "
+            f"(training on validation data). Point sources[].paths at one split's folder, "
+            f"e.g. {example!r}")
 
 
 def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]
