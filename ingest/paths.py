@@ -19,6 +19,8 @@ import re
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from ingest.errors import BadInputError
+
 log = logging.getLogger("ingest.paths")
 
 __all__ = ["COMPRESSED", "filesystem", "format_of", "is_local", "list_files"]
@@ -173,15 +175,21 @@ def _split_glob(path: str) -> tuple[str, str]:
     return "/".join(parts[:k]), "/".join(parts[k:])
 
 
-def _walk_local(root: str, depth: int | None = None) -> list[str]:
+def _walk_local(root: str, depth: int | None = None,
+                unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """The files below local folder ``root`` (at most ``depth`` folders down; None: all),
-    following symbolic links, each real file once.
+    following symbolic links, each real file once. A folder that cannot be listed and a link
+    that leads nowhere (dangling, or a loop) go to ``unreadable`` as (path, why).
 
     The folders themselves are walked first, then the folders symbolic links lead to, each
     once: a link to a folder already walked (a loop such as ``ln -s . self``, or a second way
     to a folder) is not followed, and such links are named in a warning. A file reached by
     several paths is listed by the first one walked.
     """
+    def failed(e: OSError) -> None:
+        if unreadable is not None:
+            unreadable.append((e.filename, f"cannot list this folder: {e.strerror}"))
+
     seen: set[tuple[int, int]] = set()
     files: dict[tuple[int, int], str] = {}
     skipped: list[str] = []
@@ -194,7 +202,8 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
                 skipped.append(f"{top} -> {os.readlink(top)}")
             continue
         seen.add(ident)
-        for folder, dirs, names in os.walk(top):  # links are queued, not followed here
+        # Links are queued, not followed here.
+        for folder, dirs, names in os.walk(top, onerror=failed):
             below = os.path.relpath(folder, top)
             level = top_depth + (below != "." and below.count(os.sep) + 1)
             dirs.sort()
@@ -210,7 +219,13 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
             for name in sorted(names):
                 full = os.path.join(folder, name)
                 ident = _identity(full)
-                if ident is not None and ident not in files:
+                if ident is None and unreadable is not None:
+                    try:
+                        os.stat(full)
+                    except OSError as e:
+                        unreadable.append((full, f"a symbolic link to {os.readlink(full)!r} "
+                                                 f"that leads to no file ({e.strerror})"))
+                elif ident is not None and ident not in files:
                     files[ident] = full
     if skipped:
         log.warning("%s: %d symbolic link(s) lead to a folder already read (a loop, or a second "
@@ -228,25 +243,34 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None) -> list[str]:
+def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
+                 unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """Every file below folder ``root`` of ``fs``; a local one walked by ``_walk_local``
-    (``depth``: at most so many folders down)."""
+    (``depth``: at most so many folders down; ``unreadable``: see there)."""
     if is_local(fs):
-        return _walk_local(root, depth)
+        return _walk_local(root, depth, unreadable)
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
     return [i.path for i in infos if i.type == pafs.FileType.File]
 
 
-def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
+def list_files(paths: tuple[str, ...], fmt: str | None = None,
+               unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """Expands files, directories and globs into a sorted list of data files.
 
     Globs follow the shell's rules on every filesystem alike (``*`` stays within a folder,
     ``**`` crosses folders). A folder written by ``datasets``' ``save_to_disk`` (a
     ``state.json`` naming its ``.arrow`` files) gives the files it names, in its order.
 
+    A local folder that cannot be listed, and a data file's symbolic link that leads nowhere,
+    are appended to ``unreadable`` as (path, why) where given (the caller reports or skips
+    them); without it they raise.
+
     Raises:
       FileNotFoundError: listing every path that matched nothing, at once.
+      BadInputError: reason ``corrupt_file``, for the first unreadable entry where
+        ``unreadable`` is None.
     """
+    problems: list[tuple[str, str]] = []
     found: list[str] = []
     missing: list[str] = []
     ordered: list[list[str]] = []  # save_to_disk folders' files, each in the folder's order
@@ -258,7 +282,7 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
             given = _split_glob(p)[0] if is_uri else p
             pattern = _glob_regex(rest)
             depth = None if "**" in rest.split("/") else rest.count("/")
-            walked = _files_under(fs, root if is_uri else (root or "."), depth)
+            walked = _files_under(fs, root if is_uri else (root or "."), depth, problems)
             hits = []
             for f in walked:
                 rel = f[len(root) + 1:] if root else f.removeprefix("./")
@@ -270,7 +294,7 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
         if info.type == pafs.FileType.File:
             found.append(p)
         elif info.type == pafs.FileType.Directory:
-            listed = _files_under(fs, base)
+            listed = _files_under(fs, base, unreadable=problems)
             _no_dataset_dict(fs, p, base, listed)
             hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
             hits, orders = _saved_datasets(fs, listed, hits)
@@ -282,6 +306,15 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
                 f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
         else:
             missing.append(p)
+    problems = [(f, why) for f, why in dict.fromkeys(problems) if not _hidden(f)
+                and (why.startswith("cannot list") or format_of(f, fmt) is not None)]
+    if unreadable is not None:
+        unreadable.extend(problems)
+    elif problems:
+        f, why = problems[0]
+        raise BadInputError(f"{f}: {why}; fix its permissions or remove it, or set "
+                            f"on_bad_file: skip to skip it (counted)", reason="corrupt_file",
+                            path=f)
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} source path(s) not found: " + "; ".join(missing)

@@ -138,10 +138,19 @@ def _described_files(config: Config
                                             src.table_key(),
                                             tokens=src.tokens_column is not None)))
             continue
+        unreadable: list[tuple[str, str]] = []
         try:
-            jobs.extend((si, p) for p in list_files(src.paths, src.format))
+            jobs.extend((si, p) for p in list_files(src.paths, src.format, unreadable))
         except FileNotFoundError as e:
             missing.append(f"sources[{si}]: {e}")
+        for path, why in unreadable:
+            # A folder or link the listing cannot read is a bad file: never left out silently.
+            error = BadInputError(f"sources[{si}]: {path}: {why}; fix its permissions or "
+                                  f"remove it, or set on_bad_file: skip to skip it (counted)",
+                                  reason="corrupt_file", path=path)
+            if not _skipped(config, error):
+                raise error
+            skipped.append((path, error.reason, str(error)))
     if missing:
         raise FileNotFoundError("\n".join(missing))
     # _describe_all stops at the first error raised here, so it may be the shorter.

@@ -123,7 +123,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
             rows, offsets, key = jsonl.scan(fs, local)
-            nbytes = tuple(max(1, b - a) for a, b in zip(offsets, offsets[1:]))
+            nbytes = tuple(max(1, b - a) for a, b in zip(offsets, offsets[1:], strict=False))
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
