@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import threading
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -275,37 +276,10 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None,
     missing: list[str] = []
     ordered: list[list[str]] = []  # save_to_disk folders' files, each in the folder's order
     for p in paths:
-        fs, base = filesystem(p)
-        is_uri = "://" in p
-        if _MAGIC.search(base):
-            root, rest = _split_glob(base if is_uri else p)
-            given = _split_glob(p)[0] if is_uri else p
-            pattern = _glob_regex(rest)
-            depth = None if "**" in rest.split("/") else rest.count("/")
-            walked = _files_under(fs, root if is_uri else (root or "."), depth, problems)
-            hits = []
-            for f in walked:
-                rel = f[len(root) + 1:] if root else f.removeprefix("./")
-                if pattern.match(rel) and not _hidden(f):
-                    hits.append(_uri(given, root, f) if is_uri else (f if root else rel))
-            (found.extend(hits) if hits else missing.append(f"{p} (glob matched no file)"))
-            continue
-        info = fs.get_file_info(base)
-        if info.type == pafs.FileType.File:
-            found.append(p)
-        elif info.type == pafs.FileType.Directory:
-            listed = _files_under(fs, base, unreadable=problems)
-            _no_dataset_dict(fs, p, base, listed)
-            hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
-            hits, orders = _saved_datasets(fs, listed, hits)
-            if is_uri:
-                hits = [_uri(p, base, f) for f in hits]
-                orders = [[_uri(p, base, f) for f in o] for o in orders]
-            ordered.extend(orders)
-            (found.extend(hits) if hits else missing.append(
-                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
+        if "://" in p and not p.startswith(("file://", "memory://")):
+            _remote_listing(p, lambda p=p: _list_one(p, fmt, found, missing, ordered, problems))
         else:
-            missing.append(p)
+            _list_one(p, fmt, found, missing, ordered, problems)
     problems = [(f, why) for f, why in dict.fromkeys(problems) if not _hidden(f)
                 and (why.startswith("cannot list") or format_of(f, fmt) is not None)]
     if unreadable is not None:
@@ -349,6 +323,99 @@ def _no_dataset_dict(fs: pafs.FileSystem, given: str, base: str, listed: list[st
             f"splits {splits or '(unreadable list)'}; read whole, its splits would be mixed "
             f"(training on validation data). Point sources[].paths at one split's folder, "
             f"e.g. {example!r}")
+
+
+def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
+              ordered: list[list[str]], problems: list[tuple[str, str]]) -> None:
+    """``list_files`` of one path, into its lists."""
+    fs, base = filesystem(p)
+    is_uri = "://" in p
+    if _MAGIC.search(base):
+        root, rest = _split_glob(base if is_uri else p)
+        given = _split_glob(p)[0] if is_uri else p
+        pattern = _glob_regex(rest)
+        depth = None if "**" in rest.split("/") else rest.count("/")
+        walked = _files_under(fs, root if is_uri else (root or "."), depth, problems)
+        hits = []
+        for f in walked:
+            rel = f[len(root) + 1:] if root else f.removeprefix("./")
+            if pattern.match(rel) and not _hidden(f):
+                hits.append(_uri(given, root, f) if is_uri else (f if root else rel))
+        offline = p.startswith("hf://") and os.environ.get("HF_HUB_OFFLINE") == "1"
+        (found.extend(hits) if hits else missing.append(
+            f"{p} (glob matched no file" + ("; HF_HUB_OFFLINE=1 is set, so the Hub was not "
+                                            "asked: unset it" if offline else "") + ")"))
+        return
+    info = fs.get_file_info(base)
+    if info.type == pafs.FileType.File:
+        found.append(p)
+    elif info.type == pafs.FileType.Directory:
+        listed = _files_under(fs, base, unreadable=problems)
+        _no_dataset_dict(fs, p, base, listed)
+        hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
+        hits, orders = _saved_datasets(fs, listed, hits)
+        if is_uri:
+            hits = [_uri(p, base, f) for f in hits]
+            orders = [[_uri(p, base, f) for f in o] for o in orders]
+        ordered.extend(orders)
+        (found.extend(hits) if hits else missing.append(
+            f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
+    else:
+        missing.append(p)
+
+
+# A remote listing that gets no answer (no network: a gs:// listing retries for minutes) ends
+# after this many seconds, in an error naming the URI.
+REMOTE_TIMEOUT_S = float(os.environ.get("INGEST_REMOTE_TIMEOUT_S", "20"))
+
+
+def _remote_listing(uri: str, list_it) -> None:
+    """Runs ``list_it`` (the listing of ``uri``) in a daemon thread, waiting at most
+    ``REMOTE_TIMEOUT_S`` (interruptibly): a filesystem that blocks is left behind rather than
+    waited for. Its errors become one line naming the URI, the cause and the fix."""
+    done = threading.Event()
+    out: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list_it()
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            out.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"list {uri}", daemon=True).start()
+    if not done.wait(REMOTE_TIMEOUT_S):
+        raise FileNotFoundError(
+            f"{uri}: no answer from its storage in {REMOTE_TIMEOUT_S:g} s (offline, or the "
+            f"network blocks its endpoint); check the network and the URI, or raise "
+            f"INGEST_REMOTE_TIMEOUT_S")
+    if not out:
+        return
+    e = out[0]
+    if isinstance(e, (FileNotFoundError, BadInputError, ImportError, ValueError)) \
+            and uri in str(e):
+        raise e
+    raise FileNotFoundError(f"{uri}: cannot list it: {_cause(uri, e)}") from e
+
+
+def _cause(uri: str, e: BaseException) -> str:
+    """What a failed remote listing most likely means, and the fix, in a few words."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    low = text.lower()
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and uri.startswith("hf://"):
+        return f"offline (HF_HUB_OFFLINE=1) ({text}); unset HF_HUB_OFFLINE, or use a local copy"
+    if any(w in low for w in ("credential", "accessdenied", "access denied", "403",
+                              "unauthorized", "401", "permission")):
+        return (f"no credentials or no access ({text}); set the storage's credentials "
+                f"(AWS_*, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN) or check the URI")
+    if any(w in low for w in ("nosuchbucket", "no such bucket", "bucket does not exist",
+                              "404", "not found")):
+        return f"no such bucket or path ({text}); check the URI"
+    if any(w in low for w in ("resolve", "connect", "network", "timed out", "timeout",
+                              "name or service", "unreachable", "offline")):
+        return f"offline or unreachable ({text}); check the network, or use a local copy"
+    return f"{text}; check the URI, the network and the credentials"
 
 
 def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]
