@@ -319,8 +319,9 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
     plan said ``large``."""
     global _row_group_bytes
     if info.format == "jsonl":
+        fs, local = _seekable(info, fs, local)
         table = jsonl.read_table(info.path, fs, local, column, info.row_groups[group],
-                                 **_jsonl_group(info, group))
+                                 **_jsonl_group(info, group, local))
     else:
         reader = _open(info, fs, local)
         if info.format == "parquet":
@@ -387,7 +388,8 @@ def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int)
     if cursor is not None:
         return cursor
     if info.format == "jsonl":
-        where = _jsonl_group(info, group)
+        fs, local = _seekable(info, fs, local)
+        where = _jsonl_group(info, group, local)
         f = jsonl.open_range(fs, local, where["start"], where["stop"],
                              compressed=where["compressed"])
         return _Cursor(f, jsonl.parse_blocks(info.path, f, column, where["first_line"]))
@@ -430,15 +432,38 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
     return _joined(pieces)
 
 
-def _jsonl_group(info: FileInfo, group: int) -> dict:
-    """Where group ``group`` of a JSONL file lies: its bytes, its first line, and whether the
-    file is compressed (read from its start, not seeked)."""
+def _jsonl_group(info: FileInfo, group: int, local: str) -> dict:
+    """Where group ``group`` of a JSONL file (at ``local``) lies: its bytes, its first line,
+    and whether the file is compressed (read from its start, not seeked)."""
+    compressed = local.endswith(COMPRESSED)
     if not info.group_offsets:  # described without offsets: the whole file is one group
-        return {"start": 0, "stop": None, "first_line": 0,
-                "compressed": info.path.endswith(COMPRESSED)}
+        return {"start": 0, "stop": None, "first_line": 0, "compressed": compressed}
     return {"start": info.group_offsets[group], "stop": info.group_offsets[group + 1],
-            "first_line": sum(info.row_groups[:group]),
-            "compressed": info.path.endswith(COMPRESSED)}
+            "first_line": sum(info.row_groups[:group]), "compressed": compressed}
+
+
+_copies: dict[tuple, str | None] = {}  # compressed JSONL file -> its decompressed copy
+
+
+def _seekable(info: FileInfo, fs, local: str) -> tuple[Any, str]:
+    """Where to read a JSONL file's groups: a compressed file of several groups from a
+    decompressed copy on the machine's disk (written once per machine, ``ingest.spill``), so
+    that a group is found by a seek, not by decompressing all before it; else the file."""
+    if not (info.path.endswith(COMPRESSED) and len(info.row_groups) > 1):
+        return fs, local
+    key = (info.path, info.size, info.content_key, "decompressed")
+    if key not in _copies:
+        def write(tmp: str) -> None:
+            with fs.open_input_stream(local) as src, open(tmp, "wb") as out:
+                while data := src.read(1 << 20):
+                    out.write(data)
+
+        _copies[key] = spill.decompressed_copy(key, info.group_offsets[-1], write)
+        if _copies[key] is not None:
+            log.info("%s: decompressed once to %s, so that its groups are read by seeking",
+                     info.path, _copies[key])
+    copy = _copies[key]
+    return (fs, local) if copy is None else (filesystem(copy)[0], copy)
 
 
 def _changed(info: FileInfo, group: int, found: str) -> BadInputError:

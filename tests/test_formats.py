@@ -314,11 +314,17 @@ def test_decode_texts_codes_every_row_of_any_slice_as_its_value_says(kind):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
 @pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize("copy", [True, False])
 def test_a_jsonl_file_read_in_groups_gives_what_the_whole_file_does(tmp_path, monkeypatch,
-                                                                    suffix, sequential):
-    """A JSONL file is split into groups of lines found by byte offset (plain) or by reading
-    on (compressed), so a reader holds a group, never the file: every row, with its bad-line
-    reasons and their line numbers, as a parse of the whole file gives them."""
+                                                                    suffix, sequential, copy):
+    """A JSONL file is split into groups of lines found by byte offset (plain; compressed,
+    in a decompressed copy on disk) or by decompressing on (compressed, without the disk
+    cache), so a reader holds a group, never the file: every row, with its bad-line reasons
+    and their line numbers, as a parse of the whole file gives them."""
+    if not copy and suffix == ".jsonl":
+        pytest.skip("a plain file needs no copy")
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "1" if copy else "0")
     texts = make_texts(300, 7)
     lines = [json.dumps({"text": t}) for t in texts]
     lines[0] = "\ufeff" + lines[0]
@@ -334,6 +340,7 @@ def test_a_jsonl_file_read_in_groups_gives_what_the_whole_file_does(tmp_path, mo
     else:
         path.write_bytes(data)
     monkeypatch.setattr(jsonl, "GROUP_BYTES", 2000)
+    monkeypatch.setattr(sources, "_copies", {})
     forget_decoded()
     info = describe_file(str(path), None, "text")
     assert len(info.row_groups) > 5 and info.num_rows == 300
@@ -354,3 +361,6 @@ def test_a_jsonl_file_read_in_groups_gives_what_the_whole_file_does(tmp_path, mo
     finally:
         forget_decoded()
     assert got == want and got_bad == want_bad
+    copies = list((tmp_path / "cache").rglob("*")) if (tmp_path / "cache").exists() else []
+    assert any(p.is_file() and p.stat().st_size == len(data) for p in copies) == (
+        copy and suffix != ".jsonl")
