@@ -65,7 +65,10 @@ def measure(config: Path, args: argparse.Namespace) -> dict:
     if args.workers:
         cmd += ["--workers", str(args.workers)]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A cache folder of its own, deleted with the data: no earlier run's decoded copies.
+    env = {**os.environ, "INGEST_CACHE_DIR": str(config.parent / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     root = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:
@@ -121,6 +124,7 @@ def main() -> None:
                               **result}), flush=True)
             if not args.keep_data:
                 path.unlink()
+                shutil.rmtree(folder / "cache", ignore_errors=True)
     finally:
         if not args.keep_data and not args.dir:
             shutil.rmtree(folder, ignore_errors=True)

@@ -33,11 +33,12 @@ _READ_BYTES = 1 << 20  # scan and skip: read this much at a time
 
 
 def scan(fs: pafs.FileSystem, local: str, group_bytes: int | None = None,
-         block: int = _READ_BYTES) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+         block: int = _READ_BYTES, sink=None) -> tuple[tuple[int, ...], tuple[int, ...], str]:
     """A JSONL file's groups of lines, read in blocks (planning never holds a whole file):
     the lines of each group (a last line without newline counts), the byte offset of each
     group's start and of the end (decompressed bytes; one more than groups), and a hash of
-    the content. A file under ``group_bytes`` is one group; an empty one, one group of 0."""
+    the content. A file under ``group_bytes`` is one group; an empty one, one group of 0.
+    ``sink``: a binary file that the (decompressed) bytes are also written to."""
     group_bytes = group_bytes or GROUP_BYTES
     h = hashlib.sha256()
     rows: list[int] = []
@@ -47,6 +48,8 @@ def scan(fs: pafs.FileSystem, local: str, group_bytes: int | None = None,
     with fs.open_input_stream(local) as f:
         while data := f.read(block):
             h.update(data)
+            if sink is not None:
+                sink.write(data)
             i = 0
             while (mark := offsets[-1] + group_bytes - 1 - pos) < len(data):
                 nl = data.find(b"\n", max(i, mark))

@@ -10,9 +10,12 @@ units never cross them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -122,7 +125,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
-            rows, offsets, key = jsonl.scan(fs, local)
+            rows, offsets, key = _scan_jsonl(path, fs, local)
             nbytes = tuple(max(1, b - a) for a, b in zip(offsets, offsets[1:], strict=False))
     except BadInputError:
         raise
@@ -443,6 +446,34 @@ def _jsonl_group(info: FileInfo, group: int, local: str) -> dict:
 
 
 _copies: dict[tuple, str | None] = {}  # compressed JSONL file -> its decompressed copy
+
+
+def _scan_jsonl(path: str, fs, local: str) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """``jsonl.scan`` of a JSONL file; a compressed one of several groups is also written
+    decompressed to the disk cache as it is scanned, so that this machine's readers find
+    their groups by a seek without decompressing the file a second time."""
+    sink = None
+    if path.endswith(COMPRESSED) and spill.budget_bytes():
+        with contextlib.suppress(OSError):
+            os.makedirs(spill.folder(), exist_ok=True)
+            sink = tempfile.NamedTemporaryFile(dir=spill.folder(), prefix=".scan-",
+                                               delete=False)
+    if sink is None:
+        return jsonl.scan(fs, local)
+    try:
+        with sink:
+            rows, offsets, key = jsonl.scan(fs, local, sink=sink)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(sink.name)
+        raise
+    if len(rows) > 1:
+        ckey = (path, fs.get_file_info(local).size, key, "decompressed")
+        _copies[ckey] = spill.adopt_copy(ckey, sink.name, offsets[-1])
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(sink.name)
+    return rows, offsets, key
 
 
 def _seekable(info: FileInfo, fs, local: str) -> tuple[Any, str]:

@@ -140,6 +140,25 @@ def decompressed_copy(key: tuple, nbytes: int, write) -> str | None:
     return path
 
 
+def adopt_copy(key: tuple, tmp: str, nbytes: int) -> str | None:
+    """Moves ``tmp``, a decompressed copy of ``nbytes`` written beside the cache folder's
+    files, to where ``decompressed_copy`` finds it for ``key``; deletes it and returns None
+    when it is over half the budget."""
+    budget = budget_bytes()
+    path = _path(key)
+    try:
+        if budget == 0 or nbytes > budget // 2:
+            os.unlink(tmp)
+            return None
+        _evict(folder(), budget - nbytes, keep=path)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return path
+
+
 @contextlib.contextmanager
 def exclusive(key: tuple, nbytes: int, *, wait_s: float = 600.0) -> Iterator[None]:
     """Held while this process decodes the group for ``key`` (``nbytes`` of text, as the plan
