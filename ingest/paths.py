@@ -60,8 +60,8 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 
 @functools.cache
 def _local() -> pafs.LocalFileSystem:
-    # One for the process (Arrow's filesystems are thread-safe): making one is 5 us, on the
-    # path of every unit read.
+    # One for the process (Arrow's filesystems are thread-safe): making one is on the path of
+    # every unit read.
     return pafs.LocalFileSystem()
 
 

@@ -277,8 +277,7 @@ class _StreamBatches:
 # Decoded groups (Parquet row groups, IPC batches read into memory, parsed JSONL files) as
 # tables whose first column is the text column, most recent last, up to this many bytes per
 # process. Units are often parts of a group (unit_rows below the group's rows), and each reads
-# the whole group: on the tiny-document benchmark (2,048-row groups, 256-row units) the
-# decoding was 14% of a worker's time. A worker's streams read a group's units at different
+# the whole group, so decoding it once per unit was a large share of a worker's time. A worker's streams read a group's units at different
 # times, so the cache helps as far as it holds the groups in use; 64 MiB keeps workers' memory
 # bounded. Groups over a quarter of it go to disk once per machine instead (ingest.spill) and
 # are memory-mapped from there: a worker maps at most _SPILLED_MAPPED of them at a time.
@@ -287,7 +286,7 @@ LARGE_GROUP_BYTES = _ROW_GROUP_CACHE_BYTES // 4
 _SPILLED_MAPPED = 32
 _row_groups: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 _row_group_bytes = 0  # sum of nbytes over _row_groups (a running total: summing per insert
-# cost 2.5% of a worker's produce time on the demo)
+# showed in a worker's produce time)
 _spilled: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 
 

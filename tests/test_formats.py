@@ -254,10 +254,19 @@ def test_planning_counts_jsonl_lines_across_read_blocks(tmp_path, tail):
     path = tmp_path / "a.jsonl"
     path.write_bytes(data)
     fs, local = paths.filesystem(str(path))
-    whole = jsonl.count_lines(fs, local)
-    assert whole[:2] == (data.count(b"\n") + (not data.endswith(b"\n")), len(data))
+    whole = jsonl.scan(fs, local)
+    assert (sum(whole[0]), whole[1][-1]) == (data.count(b"\n") + (not data.endswith(b"\n")),
+                                            len(data))
     for block in (1, 7, 64, 1000):
-        assert jsonl.count_lines(fs, local, block=block) == whole, block
+        assert jsonl.scan(fs, local, block=block) == whole, block
+    # Groups of whole lines, cut the same way whatever the read block.
+    grouped = jsonl.scan(fs, local, group_bytes=200)
+    assert sum(grouped[0]) == sum(whole[0]) and len(grouped[0]) > 3
+    for block in (1, 7, 64, 1000):
+        assert jsonl.scan(fs, local, group_bytes=200, block=block) == grouped, block
+    assert all(data[o - 1:o] == b"\n" for o in grouped[1][1:-1])
+    assert [data[a:b].count(b"\n") + (b == len(data) and not data.endswith(b"\n"))
+            for a, b in zip(grouped[1], grouped[1][1:], strict=False)] == list(grouped[0])
 
 
 def test_files_are_planned_in_order_and_the_first_bad_one_in_order_is_named(tmp_path):
