@@ -64,8 +64,8 @@ def philox(*key: int) -> np.random.Generator:
 
 def permutation(n: int, *key: int) -> np.ndarray:
     """``philox(*key).permutation(n)``, drawn from this thread's one generator set to that
-    key's start: numpy's Philox constructor draws OS entropy first and takes about 30 us,
-    setting the state 5 (a unit's 128-row order: 28 against 71 us)."""
+    key's start: numpy's Philox constructor draws OS entropy first, which costs several times
+    what setting the state does (and more than a unit's row order itself)."""
     gen = getattr(_THREAD, "gen", None)
     if gen is None:
         gen = _THREAD.gen = np.random.Generator(np.random.Philox(key=_key_words(key)))
