@@ -27,6 +27,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from ingest import jsonl, spill
+from ingest.cache import cached_by_files
 from ingest.columns import numpy_view, one_array
 from ingest.errors import BadInputError
 from ingest.paths import COMPRESSED, filesystem, format_of, is_local
@@ -125,7 +126,14 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
-            rows, offsets, key = _scan_jsonl(path, fs, local)
+            if is_local(fs) and size > jsonl.GROUP_BYTES:
+                # A large file's scan reads all of it: kept by (path, size, mtime) for the
+                # next run on this machine.
+                rows, offsets, key = cached_by_files(
+                    f"jsonl-groups-{jsonl.GROUP_BYTES}", [local],
+                    lambda: _scan_jsonl(path, fs, local), what=f"{path}: its groups of lines")
+            else:
+                rows, offsets, key = _scan_jsonl(path, fs, local)
             nbytes = tuple(max(1, b - a) for a, b in zip(offsets, offsets[1:], strict=False))
     except BadInputError:
         raise

@@ -373,3 +373,19 @@ def test_a_jsonl_file_read_in_groups_gives_what_the_whole_file_does(tmp_path, mo
     copies = list((tmp_path / "cache").rglob("*")) if (tmp_path / "cache").exists() else []
     assert any(p.is_file() and p.stat().st_size == len(data) for p in copies) == (
         copy and suffix != ".jsonl")
+
+
+def test_a_large_jsonl_files_scan_is_kept_for_the_next_plan_until_it_changes(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 2000)
+    path = write_jsonl(tmp_path / "a.jsonl", make_texts(300, 3))
+    scans = []
+    real = jsonl.scan
+    monkeypatch.setattr(jsonl, "scan", lambda *a, **k: scans.append(1) or real(*a, **k))
+    first = describe_file(path, None, "text")
+    assert describe_file(path, None, "text") == first and len(scans) == 1
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    again = describe_file(path, None, "text")
+    assert len(scans) == 2 and again.num_rows == first.num_rows + 1
