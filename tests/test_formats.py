@@ -389,3 +389,26 @@ def test_a_large_jsonl_files_scan_is_kept_for_the_next_plan_until_it_changes(tmp
         f.write(json.dumps({"text": "one more"}) + "\n")
     again = describe_file(path, None, "text")
     assert len(scans) == 2 and again.num_rows == first.num_rows + 1
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_jsonl_file_in_groups_feeds_its_documents_in_order_and_again_the_same(
+        tmp_path, monkeypatch, suffix):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    texts = make_texts(200, 5)
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    path = tmp_path / f"a{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 1500)
+    forget_decoded()
+    config = make_config([path], shuffle=False, seq_len=8, unit_rows=16)
+    assert len(build_plan(config).files[0].row_groups) > 5
+    docs = split_documents(stream_tokens(all_streams(config)[0]), EOS)
+    assert docs == tokenize(texts)
+    # Shuffled: the same documents, and the same streams again from a fresh process state.
+    shuffled = make_config([path], seq_len=8, unit_rows=16, num_streams=4, global_batch_size=4)
+    one = all_streams(shuffled)
+    forget_decoded()
+    assert all((a == b).all() for a, b in zip(one, all_streams(shuffled), strict=True))
+    got = sorted(d for s in one for d in split_documents(stream_tokens(s), EOS))
+    assert got == sorted(tokenize(texts))
