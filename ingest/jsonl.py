@@ -1,4 +1,5 @@
-"""JSON Lines files: counting their lines, parsing them whole or a block of lines at a time.
+"""JSON Lines files: cutting them into groups of lines, parsing them a group or a block of lines
+at a time.
 
 A line that is not a JSON object, or not valid UTF-8, is a bad *document* (its reason code in
 ``ingest.errors.BAD_REASONS``), not a bad file. Positions are 1-based line numbers.
@@ -21,31 +22,93 @@ import pyarrow.json as pj
 
 from ingest.errors import BAD_REASONS, BadInputError
 
-__all__ = ["count_lines", "parse", "parse_blocks", "read_table"]
+__all__ = ["parse", "parse_blocks", "read_table", "scan"]
 
 _BLOCK_BYTES = 4 << 20  # parse_blocks: about this much text at a time
+# A JSONL file is split into groups of whole lines of at least this many (decompressed) bytes,
+# cut at the first newline past the mark: a group is the unit of reading, so a worker holds
+# one group's text and its parse, never the file, and finds a group of a plain file by a seek.
+# Below the decoded-group cache's per-group limit, so that parsed groups are kept in memory.
+GROUP_BYTES = 8 << 20
+_READ_BYTES = 1 << 20  # scan and skip: read this much at a time
 
 
-def count_lines(fs: pafs.FileSystem, local: str, block: int = 16 << 20
-                 ) -> tuple[int, int, str]:
-    """A JSONL file's lines (a last one without newline counts), its bytes (decompressed),
-    and a hash of them, read in blocks: planning never holds a whole file in memory."""
+def scan(fs: pafs.FileSystem, local: str, group_bytes: int | None = None,
+         block: int = _READ_BYTES, sink=None) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """A JSONL file's groups of lines, read in blocks (planning never holds a whole file):
+    the lines of each group (a last line without newline counts), the byte offset of each
+    group's start and of the end (decompressed bytes; one more than groups), and a hash of
+    the content. A file under ``group_bytes`` is one group; an empty one, one group of 0.
+    ``sink``: a binary file that the (decompressed) bytes are also written to."""
+    group_bytes = group_bytes or GROUP_BYTES
     h = hashlib.sha256()
-    lines = total = 0
+    rows: list[int] = []
+    offsets = [0]
+    lines = pos = 0
     last = b"\n"
     with fs.open_input_stream(local) as f:
         while data := f.read(block):
             h.update(data)
-            lines += data.count(b"\n")
-            total += len(data)
+            if sink is not None:
+                sink.write(data)
+            i = 0
+            while (mark := offsets[-1] + group_bytes - 1 - pos) < len(data):
+                nl = data.find(b"\n", max(i, mark))
+                if nl < 0:
+                    break
+                rows.append(lines + data.count(b"\n", i, nl + 1))
+                offsets.append(pos + nl + 1)
+                lines, i = 0, nl + 1
+            lines += data.count(b"\n", i)
+            pos += len(data)
             last = data[-1:]
-    return lines + (last != b"\n"), total, h.hexdigest()[:16]
+    if pos > offsets[-1] or not rows:
+        rows.append(lines + (last != b"\n"))
+        offsets.append(pos)
+    return tuple(rows), tuple(offsets), h.hexdigest()[:16]
 
 
-def parse_blocks(path: str, f, column: str) -> Iterator[pa.Table]:
-    """A JSONL file parsed a block of whole lines (about ``_BLOCK_BYTES``) at a time,
-    each as ``read_table`` parses a whole file (its reasons are per line)."""
-    rest, line = b"", 0
+class _Range:
+    """The bytes ``[start, stop)`` of a file as a stream: a plain file is opened at
+    ``start``; a compressed one cannot seek, so it is decompressed from its start and the
+    bytes before ``start`` are read in blocks and dropped (bounded memory)."""
+
+    def __init__(self, fs: pafs.FileSystem, local: str, start: int, stop: int, *,
+                 compressed: bool):
+        self._left = stop - start
+        if compressed:
+            self._f = fs.open_input_stream(local)
+            skip = start
+            while skip > 0:
+                got = len(self._f.read(min(skip, _READ_BYTES)))
+                if not got:
+                    break
+                skip -= got
+        else:
+            self._f = fs.open_input_file(local)
+            self._f.seek(start)
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._left if n < 0 else min(n, self._left)
+        data = self._f.read(n) if n > 0 else b""
+        self._left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def open_range(fs: pafs.FileSystem, local: str, start: int, stop: int, *,
+               compressed: bool) -> _Range:
+    """A stream of the (decompressed) bytes ``[start, stop)`` of a JSONL file."""
+    return _Range(fs, local, start, stop, compressed=compressed)
+
+
+def parse_blocks(path: str, f, column: str, first_line: int = 0) -> Iterator[pa.Table]:
+    """A JSONL file (or a group of it whose first line is ``first_line``, 0-based) parsed a
+    block of whole lines (about ``_BLOCK_BYTES``) at a time, each as ``read_table`` parses a
+    whole file (its reasons are per line)."""
+    rest, line = b"", first_line
     while True:
         data = f.read(_BLOCK_BYTES)
         rest += data
@@ -63,13 +126,23 @@ def parse_blocks(path: str, f, column: str) -> Iterator[pa.Table]:
             return
 
 
-def read_table(path: str, fs: pafs.FileSystem, local: str, column: str, rows: int) -> pa.Table:
-    """A JSONL file's ``column``, one row per line, and the reason codes of malformed lines
-    (a second column, only if there are any). Compressed files (``.jsonl.gz``, ``.zst``...)
-    are decompressed by their suffix."""
-    with fs.open_input_stream(local) as f:
-        data = f.read()
-    return parse(path, data, column, rows)
+def read_table(path: str, fs: pafs.FileSystem, local: str, column: str, rows: int, *,
+               start: int = 0, stop: int | None = None, first_line: int = 0,
+               compressed: bool = False) -> pa.Table:
+    """A JSONL file's ``column`` (or that of its bytes ``[start, stop)``, whole lines, the
+    first of them line ``first_line``, 0-based), one row per line, and the reason codes of
+    malformed lines (a second column, only if there are any). Compressed files
+    (``.jsonl.gz``, ``.zst``...) are decompressed by their suffix."""
+    if stop is None:
+        with fs.open_input_stream(local) as f:
+            data = f.read()
+    else:
+        f = open_range(fs, local, start, stop, compressed=compressed)
+        try:
+            data = f.read()
+        finally:
+            f.close()
+    return parse(path, data, column, rows, first_line=first_line)
 
 
 def parse(path: str, data: bytes, column: str, rows: int, *,
@@ -97,7 +170,7 @@ _BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")
 
 
 def _by_arrow(data: bytes, column: str, rows: int) -> pa.Table | None:
-    """``column`` parsed by Arrow's JSON reader (5x faster than ``json.loads`` per line on
+    """``column`` parsed by Arrow's JSON reader (much faster than ``json.loads`` per line on
     short documents), when that is exactly what the line-by-line parser gives: valid UTF-8,
     each of the ``rows`` lines one JSON object holding the column as a string (or a list of
     integers), never null. None otherwise: the slow parser finds and names the bad lines.

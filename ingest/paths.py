@@ -15,9 +15,12 @@ import json
 import logging
 import os
 import re
+import threading
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+
+from ingest.errors import BadInputError
 
 log = logging.getLogger("ingest.paths")
 
@@ -57,8 +60,8 @@ def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 
 @functools.cache
 def _local() -> pafs.LocalFileSystem:
-    # One for the process (Arrow's filesystems are thread-safe): making one is 5 us, on the
-    # path of every unit read.
+    # One for the process (Arrow's filesystems are thread-safe): making one is on the path of
+    # every unit read.
     return pafs.LocalFileSystem()
 
 
@@ -119,8 +122,13 @@ def format_of(path: str, forced: str | None) -> str | None:
     return SUFFIXES.get(ext)
 
 
+# What ``datasets``' ``save_to_disk`` writes beside the data: never data itself.
+DATASETS_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
+
+
 def _hidden(path: str) -> bool:
-    return os.path.basename(path).startswith((".", "_"))
+    name = os.path.basename(path)
+    return name.startswith((".", "_")) or name in DATASETS_METADATA
 
 
 _MAGIC = re.compile(r"[*?[]")
@@ -168,15 +176,21 @@ def _split_glob(path: str) -> tuple[str, str]:
     return "/".join(parts[:k]), "/".join(parts[k:])
 
 
-def _walk_local(root: str, depth: int | None = None) -> list[str]:
+def _walk_local(root: str, depth: int | None = None,
+                unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """The files below local folder ``root`` (at most ``depth`` folders down; None: all),
-    following symbolic links, each real file once.
+    following symbolic links, each real file once. A folder that cannot be listed and a link
+    that leads nowhere (dangling, or a loop) go to ``unreadable`` as (path, why).
 
     The folders themselves are walked first, then the folders symbolic links lead to, each
     once: a link to a folder already walked (a loop such as ``ln -s . self``, or a second way
     to a folder) is not followed, and such links are named in a warning. A file reached by
     several paths is listed by the first one walked.
     """
+    def failed(e: OSError) -> None:
+        if unreadable is not None:
+            unreadable.append((e.filename, f"cannot list this folder: {e.strerror}"))
+
     seen: set[tuple[int, int]] = set()
     files: dict[tuple[int, int], str] = {}
     skipped: list[str] = []
@@ -189,7 +203,8 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
                 skipped.append(f"{top} -> {os.readlink(top)}")
             continue
         seen.add(ident)
-        for folder, dirs, names in os.walk(top):  # links are queued, not followed here
+        # Links are queued, not followed here.
+        for folder, dirs, names in os.walk(top, onerror=failed):
             below = os.path.relpath(folder, top)
             level = top_depth + (below != "." and below.count(os.sep) + 1)
             dirs.sort()
@@ -205,7 +220,13 @@ def _walk_local(root: str, depth: int | None = None) -> list[str]:
             for name in sorted(names):
                 full = os.path.join(folder, name)
                 ident = _identity(full)
-                if ident is not None and ident not in files:
+                if ident is None and unreadable is not None:
+                    try:
+                        os.stat(full)
+                    except OSError as e:
+                        unreadable.append((full, f"a symbolic link to {os.readlink(full)!r} "
+                                                 f"that leads to no file ({e.strerror})"))
+                elif ident is not None and ident not in files:
                     files[ident] = full
     if skipped:
         log.warning("%s: %d symbolic link(s) lead to a folder already read (a loop, or a second "
@@ -223,59 +244,51 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None) -> list[str]:
+def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
+                 unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """Every file below folder ``root`` of ``fs``; a local one walked by ``_walk_local``
-    (``depth``: at most so many folders down)."""
+    (``depth``: at most so many folders down; ``unreadable``: see there)."""
     if is_local(fs):
-        return _walk_local(root, depth)
+        return _walk_local(root, depth, unreadable)
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
     return [i.path for i in infos if i.type == pafs.FileType.File]
 
 
-def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
+def list_files(paths: tuple[str, ...], fmt: str | None = None,
+               unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """Expands files, directories and globs into a sorted list of data files.
 
     Globs follow the shell's rules on every filesystem alike (``*`` stays within a folder,
     ``**`` crosses folders). A folder written by ``datasets``' ``save_to_disk`` (a
     ``state.json`` naming its ``.arrow`` files) gives the files it names, in its order.
 
+    A local folder that cannot be listed, and a data file's symbolic link that leads nowhere,
+    are appended to ``unreadable`` as (path, why) where given (the caller reports or skips
+    them); without it they raise.
+
     Raises:
       FileNotFoundError: listing every path that matched nothing, at once.
+      BadInputError: reason ``corrupt_file``, for the first unreadable entry where
+        ``unreadable`` is None.
     """
+    problems: list[tuple[str, str]] = []
     found: list[str] = []
     missing: list[str] = []
     ordered: list[list[str]] = []  # save_to_disk folders' files, each in the folder's order
     for p in paths:
-        fs, base = filesystem(p)
-        is_uri = "://" in p
-        if _MAGIC.search(base):
-            root, rest = _split_glob(base if is_uri else p)
-            given = _split_glob(p)[0] if is_uri else p
-            pattern = _glob_regex(rest)
-            depth = None if "**" in rest.split("/") else rest.count("/")
-            walked = _files_under(fs, root if is_uri else (root or "."), depth)
-            hits = []
-            for f in walked:
-                rel = f[len(root) + 1:] if root else f.removeprefix("./")
-                if pattern.match(rel) and not _hidden(f):
-                    hits.append(_uri(given, root, f) if is_uri else (f if root else rel))
-            (found.extend(hits) if hits else missing.append(f"{p} (glob matched no file)"))
-            continue
-        info = fs.get_file_info(base)
-        if info.type == pafs.FileType.File:
-            found.append(p)
-        elif info.type == pafs.FileType.Directory:
-            listed = _files_under(fs, base)
-            hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
-            hits, orders = _saved_datasets(fs, listed, hits)
-            if is_uri:
-                hits = [_uri(p, base, f) for f in hits]
-                orders = [[_uri(p, base, f) for f in o] for o in orders]
-            ordered.extend(orders)
-            (found.extend(hits) if hits else missing.append(
-                f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
+        if "://" in p and not p.startswith(("file://", "memory://")):
+            _remote_listing(p, lambda p=p: _list_one(p, fmt, found, missing, ordered, problems))
         else:
-            missing.append(p)
+            _list_one(p, fmt, found, missing, ordered, problems)
+    problems = [(f, why) for f, why in dict.fromkeys(problems) if not _hidden(f)
+                and (why.startswith("cannot list") or format_of(f, fmt) is not None)]
+    if unreadable is not None:
+        unreadable.extend(problems)
+    elif problems:
+        f, why = problems[0]
+        raise BadInputError(f"{f}: {why}; fix its permissions or remove it, or set "
+                            f"on_bad_file: skip to skip it (counted)", reason="corrupt_file",
+                            path=f)
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} source path(s) not found: " + "; ".join(missing)
@@ -288,6 +301,121 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None) -> list[str]:
         for i, f in zip(at, dict.fromkeys(files), strict=True):
             out[i] = f
     return out
+
+
+def _no_dataset_dict(fs: pafs.FileSystem, given: str, base: str, listed: list[str]) -> None:
+    """Refuses a folder that holds a ``DatasetDict`` (``dataset_dict.json``, written by
+    ``datasets``' ``save_to_disk``): read whole, its splits would be pooled, and a model
+    would train on its validation split. The user names one split's folder instead."""
+    for f in sorted(listed):
+        if os.path.basename(f) != "dataset_dict.json":
+            continue
+        folder = f[:-len("dataset_dict.json")].rstrip("/")
+        try:
+            with fs.open_input_stream(f) as stream:
+                splits = [str(x) for x in json.loads(stream.read())["splits"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = []
+        where = given.rstrip("/") + folder[len(base.rstrip("/")):]
+        example = f"{where}/{splits[0] if splits else 'train'}"
+        raise ValueError(
+            f"{where} is a datasets DatasetDict folder (dataset_dict.json) with "
+            f"splits {splits or '(unreadable list)'}; read whole, its splits would be mixed "
+            f"(training on validation data). Point sources[].paths at one split's folder, "
+            f"e.g. {example!r}")
+
+
+def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
+              ordered: list[list[str]], problems: list[tuple[str, str]]) -> None:
+    """``list_files`` of one path, into its lists."""
+    fs, base = filesystem(p)
+    is_uri = "://" in p
+    if _MAGIC.search(base):
+        root, rest = _split_glob(base if is_uri else p)
+        given = _split_glob(p)[0] if is_uri else p
+        pattern = _glob_regex(rest)
+        depth = None if "**" in rest.split("/") else rest.count("/")
+        walked = _files_under(fs, root if is_uri else (root or "."), depth, problems)
+        hits = []
+        for f in walked:
+            rel = f[len(root) + 1:] if root else f.removeprefix("./")
+            if pattern.match(rel) and not _hidden(f):
+                hits.append(_uri(given, root, f) if is_uri else (f if root else rel))
+        offline = p.startswith("hf://") and os.environ.get("HF_HUB_OFFLINE") == "1"
+        (found.extend(hits) if hits else missing.append(
+            f"{p} (glob matched no file" + ("; HF_HUB_OFFLINE=1 is set, so the Hub was not "
+                                            "asked: unset it" if offline else "") + ")"))
+        return
+    info = fs.get_file_info(base)
+    if info.type == pafs.FileType.File:
+        found.append(p)
+    elif info.type == pafs.FileType.Directory:
+        listed = _files_under(fs, base, unreadable=problems)
+        _no_dataset_dict(fs, p, base, listed)
+        hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
+        hits, orders = _saved_datasets(fs, listed, hits)
+        if is_uri:
+            hits = [_uri(p, base, f) for f in hits]
+            orders = [[_uri(p, base, f) for f in o] for o in orders]
+        ordered.extend(orders)
+        (found.extend(hits) if hits else missing.append(
+            f"{p} (directory holds no .parquet/.arrow/.feather/.jsonl(.gz) file)"))
+    else:
+        missing.append(p)
+
+
+# A remote listing that gets no answer (no network: a gs:// listing retries for minutes) ends
+# after this many seconds, in an error naming the URI.
+REMOTE_TIMEOUT_S = float(os.environ.get("INGEST_REMOTE_TIMEOUT_S", "20"))
+
+
+def _remote_listing(uri: str, list_it) -> None:
+    """Runs ``list_it`` (the listing of ``uri``) in a daemon thread, waiting at most
+    ``REMOTE_TIMEOUT_S`` (interruptibly): a filesystem that blocks is left behind rather than
+    waited for. Its errors become one line naming the URI, the cause and the fix."""
+    done = threading.Event()
+    out: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list_it()
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            out.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"list {uri}", daemon=True).start()
+    if not done.wait(REMOTE_TIMEOUT_S):
+        raise FileNotFoundError(
+            f"{uri}: no answer from its storage in {REMOTE_TIMEOUT_S:g} s (offline, or the "
+            f"network blocks its endpoint); check the network and the URI, or raise "
+            f"INGEST_REMOTE_TIMEOUT_S")
+    if not out:
+        return
+    e = out[0]
+    if isinstance(e, (FileNotFoundError, BadInputError, ImportError, ValueError)) \
+            and uri in str(e):
+        raise e
+    raise FileNotFoundError(f"{uri}: cannot list it: {_cause(uri, e)}") from e
+
+
+def _cause(uri: str, e: BaseException) -> str:
+    """What a failed remote listing most likely means, and the fix, in a few words."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    low = text.lower()
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and uri.startswith("hf://"):
+        return f"offline (HF_HUB_OFFLINE=1) ({text}); unset HF_HUB_OFFLINE, or use a local copy"
+    if any(w in low for w in ("credential", "accessdenied", "access denied", "403",
+                              "unauthorized", "401", "permission")):
+        return (f"no credentials or no access ({text}); set the storage's credentials "
+                f"(AWS_*, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN) or check the URI")
+    if any(w in low for w in ("nosuchbucket", "no such bucket", "bucket does not exist",
+                              "404", "not found")):
+        return f"no such bucket or path ({text}); check the URI"
+    if any(w in low for w in ("resolve", "connect", "network", "timed out", "timeout",
+                              "name or service", "unreachable", "offline")):
+        return f"offline or unreachable ({text}); check the network, or use a local copy"
+    return f"{text}; check the URI, the network and the credentials"
 
 
 def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]

@@ -64,8 +64,8 @@ def philox(*key: int) -> np.random.Generator:
 
 def permutation(n: int, *key: int) -> np.ndarray:
     """``philox(*key).permutation(n)``, drawn from this thread's one generator set to that
-    key's start: numpy's Philox constructor draws OS entropy first and takes about 30 us,
-    setting the state 5 (a unit's 128-row order: 28 against 71 us)."""
+    key's start: numpy's Philox constructor draws OS entropy first, which costs several times
+    what setting the state does (and more than a unit's row order itself)."""
     gen = getattr(_THREAD, "gen", None)
     if gen is None:
         gen = _THREAD.gen = np.random.Generator(np.random.Philox(key=_key_words(key)))
@@ -138,10 +138,19 @@ def _described_files(config: Config
                                             src.table_key(),
                                             tokens=src.tokens_column is not None)))
             continue
+        unreadable: list[tuple[str, str]] = []
         try:
-            jobs.extend((si, p) for p in list_files(src.paths, src.format))
+            jobs.extend((si, p) for p in list_files(src.paths, src.format, unreadable))
         except FileNotFoundError as e:
             missing.append(f"sources[{si}]: {e}")
+        for path, why in unreadable:
+            # A folder or link the listing cannot read is a bad file: never left out silently.
+            error = BadInputError(f"sources[{si}]: {path}: {why}; fix its permissions or "
+                                  f"remove it, or set on_bad_file: skip to skip it (counted)",
+                                  reason="corrupt_file", path=path)
+            if not _skipped(config, error):
+                raise error
+            skipped.append((path, error.reason, str(error)))
     if missing:
         raise FileNotFoundError("\n".join(missing))
     # _describe_all stops at the first error raised here, so it may be the shorter.

@@ -10,9 +10,12 @@ units never cross them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +27,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from ingest import jsonl, spill
+from ingest.cache import cached_by_files
 from ingest.columns import numpy_view, one_array
 from ingest.errors import BadInputError
 from ingest.paths import COMPRESSED, filesystem, format_of, is_local
@@ -47,6 +51,9 @@ class FileInfo:
         the file's first and last 64 KiB; all of a JSONL file; or an in-memory table's
         content.
       table: the table of an in-memory source (format ``memory``), else None.
+      group_offsets: for JSONL, the (decompressed) byte offset of each group's first line,
+        and the end: a file is split into groups of whole lines (``jsonl.GROUP_BYTES``), so
+        that a reader holds a group, never the whole file. Empty for other formats.
     """
 
     path: str
@@ -56,6 +63,7 @@ class FileInfo:
     group_bytes: tuple[int, ...]
     content_key: str = ""
     table: pa.Table | None = dataclasses.field(default=None, repr=False, compare=False)
+    group_offsets: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -89,6 +97,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
         ``column_type`` (the column is absent or not string/binary, or not list<int>).
     """
     fmt = format_of(path, fmt)
+    offsets: tuple[int, ...] = ()
     if fmt is None:
         raise BadInputError(
             f"{path}: unknown file type; use .parquet, .arrow/.feather or .jsonl (plain or "
@@ -120,8 +129,15 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
                 rows = tuple(b.num_rows for b in batches)
                 nbytes = tuple(max(1, b.column(text_column).nbytes) for b in batches)
         else:
-            n, nbytes, key = jsonl.count_lines(fs, local)
-            rows, nbytes = (n,), (max(1, nbytes),)
+            if is_local(fs) and size > jsonl.GROUP_BYTES:
+                # A large file's scan reads all of it: kept by (path, size, mtime) for the
+                # next run on this machine.
+                rows, offsets, key = cached_by_files(
+                    f"jsonl-groups-{jsonl.GROUP_BYTES}", [local],
+                    lambda: _scan_jsonl(path, fs, local), what=f"{path}: its groups of lines")
+            else:
+                rows, offsets, key = _scan_jsonl(path, fs, local)
+            nbytes = tuple(max(1, b - a) for a, b in zip(offsets, offsets[1:], strict=False))
     except BadInputError:
         raise
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError, ValueError) as e:
@@ -130,7 +146,7 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
             f"it, or set on_bad_file: skip to skip it (counted)",
             reason="corrupt_file", path=path) from e
     return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes,
-                    content_key=key)
+                    content_key=key, group_offsets=offsets)
 
 
 def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:
@@ -272,8 +288,7 @@ class _StreamBatches:
 # Decoded groups (Parquet row groups, IPC batches read into memory, parsed JSONL files) as
 # tables whose first column is the text column, most recent last, up to this many bytes per
 # process. Units are often parts of a group (unit_rows below the group's rows), and each reads
-# the whole group: on the tiny-document benchmark (2,048-row groups, 256-row units) the
-# decoding was 14% of a worker's time. A worker's streams read a group's units at different
+# the whole group, so decoding it once per unit was a large share of a worker's time. A worker's streams read a group's units at different
 # times, so the cache helps as far as it holds the groups in use; 64 MiB keeps workers' memory
 # bounded. Groups over a quarter of it go to disk once per machine instead (ingest.spill) and
 # are memory-mapped from there: a worker maps at most _SPILLED_MAPPED of them at a time.
@@ -282,7 +297,7 @@ LARGE_GROUP_BYTES = _ROW_GROUP_CACHE_BYTES // 4
 _SPILLED_MAPPED = 32
 _row_groups: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 _row_group_bytes = 0  # sum of nbytes over _row_groups (a running total: summing per insert
-# cost 2.5% of a worker's produce time on the demo)
+# showed in a worker's produce time)
 _spilled: collections.OrderedDict[tuple, pa.Table] = collections.OrderedDict()
 
 
@@ -317,7 +332,9 @@ def _decode(info: FileInfo, fs, local: str, group: int, column: str, key: tuple,
     plan said ``large``."""
     global _row_group_bytes
     if info.format == "jsonl":
-        table = jsonl.read_table(info.path, fs, local, column, info.row_groups[0])
+        fs, local = _seekable(info, fs, local)
+        table = jsonl.read_table(info.path, fs, local, column, info.row_groups[group],
+                                 **_jsonl_group(info, group, local))
     else:
         reader = _open(info, fs, local)
         if info.format == "parquet":
@@ -384,8 +401,11 @@ def _cursor(info: FileInfo, fs, local: str, group: int, column: str, start: int)
     if cursor is not None:
         return cursor
     if info.format == "jsonl":
-        f = fs.open_input_stream(local)  # decompressed by its suffix
-        return _Cursor(f, jsonl.parse_blocks(info.path, f, column))
+        fs, local = _seekable(info, fs, local)
+        where = _jsonl_group(info, group, local)
+        f = jsonl.open_range(fs, local, where["start"], where["stop"],
+                             compressed=where["compressed"])
+        return _Cursor(f, jsonl.parse_blocks(info.path, f, column, where["first_line"]))
     metadata = _open(info, fs, local).metadata  # the footer, parsed once per file
     f = fs.open_input_file(local)
     try:
@@ -425,10 +445,74 @@ def _read_on(cursor: _Cursor, info: FileInfo, group: int, start: int, stop: int,
     return _joined(pieces)
 
 
+def _jsonl_group(info: FileInfo, group: int, local: str) -> dict:
+    """Where group ``group`` of a JSONL file (at ``local``) lies: its bytes, its first line,
+    and whether the file is compressed (read from its start, not seeked)."""
+    compressed = local.endswith(COMPRESSED)
+    if not info.group_offsets:  # described without offsets: the whole file is one group
+        return {"start": 0, "stop": None, "first_line": 0, "compressed": compressed}
+    return {"start": info.group_offsets[group], "stop": info.group_offsets[group + 1],
+            "first_line": sum(info.row_groups[:group]), "compressed": compressed}
+
+
+_copies: dict[tuple, str | None] = {}  # compressed JSONL file -> its decompressed copy
+
+
+def _scan_jsonl(path: str, fs, local: str) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """``jsonl.scan`` of a JSONL file; a compressed one of several groups is also written
+    decompressed to the disk cache as it is scanned, so that this machine's readers find
+    their groups by a seek without decompressing the file a second time."""
+    sink = None
+    if path.endswith(COMPRESSED) and spill.budget_bytes():
+        with contextlib.suppress(OSError):
+            os.makedirs(spill.folder(), exist_ok=True)
+            sink = tempfile.NamedTemporaryFile(dir=spill.folder(), prefix=".scan-",
+                                               delete=False)
+    if sink is None:
+        return jsonl.scan(fs, local)
+    try:
+        with sink:
+            rows, offsets, key = jsonl.scan(fs, local, sink=sink)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(sink.name)
+        raise
+    if len(rows) > 1:
+        ckey = (path, fs.get_file_info(local).size, key, "decompressed")
+        _copies[ckey] = spill.adopt_copy(ckey, sink.name, offsets[-1])
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(sink.name)
+    return rows, offsets, key
+
+
+def _seekable(info: FileInfo, fs, local: str) -> tuple[Any, str]:
+    """Where to read a JSONL file's groups: a compressed file of several groups from a
+    decompressed copy on the machine's disk (written once per machine, ``ingest.spill``), so
+    that a group is found by a seek, not by decompressing all before it; else the file."""
+    if not (info.path.endswith(COMPRESSED) and len(info.row_groups) > 1):
+        return fs, local
+    key = (info.path, info.size, info.content_key, "decompressed")
+    if key not in _copies:
+        def write(tmp: str) -> None:
+            with fs.open_input_stream(local) as src, open(tmp, "wb") as out:
+                while data := src.read(1 << 20):
+                    out.write(data)
+
+        _copies[key] = spill.decompressed_copy(key, info.group_offsets[-1], write)
+        if _copies[key] is not None:
+            log.info("%s: decompressed once to %s, so that its groups are read by seeking",
+                     info.path, _copies[key])
+    copy = _copies[key]
+    return (fs, local) if copy is None else (filesystem(copy)[0], copy)
+
+
 def _changed(info: FileInfo, group: int, found: str) -> BadInputError:
     """The error for a group that no longer has the rows the plan counted (``found`` now)."""
     return BadInputError(
-        f"{info.path}: " + (f"the file has {found} lines" if info.format == "jsonl" else
+        f"{info.path}: " + ((f"the file has {found} lines" if len(info.row_groups) == 1 else
+                             f"the group of lines from line {sum(info.row_groups[:group]) + 1} "
+                             f"has {found} lines") if info.format == "jsonl" else
                             f"row group {group} has {found} rows")
         + f", and had {info.row_groups[group]} "
         f"when the plan was built: the file changed since; restart the job to plan afresh, or "

@@ -110,6 +110,55 @@ def spill(key: tuple, table: pa.Table) -> pa.Table | None:
     return load_spilled(key, table.num_rows)
 
 
+def decompressed_copy(key: tuple, nbytes: int, write) -> str | None:
+    """The path of a decompressed copy of a compressed file (``key`` names it, ``nbytes`` is
+    its decompressed size), written by ``write(tmp_path)`` once per machine (the other
+    processes wait for it, as for a decoded group): a compressed stream cannot seek, and the
+    copy lets each group be read by a seek. None when the cache is off, the copy would be over
+    half the budget, or the folder cannot be written (the caller decompresses instead)."""
+    budget = budget_bytes()
+    if budget == 0 or nbytes > budget // 2:
+        return None
+    where, path = folder(), _path(key)
+    with exclusive(key, nbytes):
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == nbytes:
+                os.utime(path)  # recently used: evicted last
+                return path
+        try:
+            os.makedirs(where, exist_ok=True)
+            _evict(where, budget - nbytes, keep=path)
+            write_atomically(path, write)
+        except OSError as e:
+            if where not in _warned:
+                _warned.add(where)
+                log.warning("cannot keep decompressed copies under %s (%s: %s): each group of "
+                            "a compressed JSONL file is read by decompressing from the file's "
+                            "start; set INGEST_CACHE_DIR to a writable folder with space",
+                            where, type(e).__name__, e)
+            return None
+    return path
+
+
+def adopt_copy(key: tuple, tmp: str, nbytes: int) -> str | None:
+    """Moves ``tmp``, a decompressed copy of ``nbytes`` written beside the cache folder's
+    files, to where ``decompressed_copy`` finds it for ``key``; deletes it and returns None
+    when it is over half the budget."""
+    budget = budget_bytes()
+    path = _path(key)
+    try:
+        if budget == 0 or nbytes > budget // 2:
+            os.unlink(tmp)
+            return None
+        _evict(folder(), budget - nbytes, keep=path)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    return path
+
+
 @contextlib.contextmanager
 def exclusive(key: tuple, nbytes: int, *, wait_s: float = 600.0) -> Iterator[None]:
     """Held while this process decodes the group for ``key`` (``nbytes`` of text, as the plan

@@ -177,9 +177,9 @@ def test_each_jsonl_file_is_parsed_once_however_streams_interleave(tmp_path, mon
     parsed = Counter()
     real = jsonl.read_table
 
-    def counting(path, *args):
+    def counting(path, *args, **kwargs):
         parsed[path] += 1
-        return real(path, *args)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(jsonl, "read_table", counting)
     forget_decoded()
@@ -254,10 +254,19 @@ def test_planning_counts_jsonl_lines_across_read_blocks(tmp_path, tail):
     path = tmp_path / "a.jsonl"
     path.write_bytes(data)
     fs, local = paths.filesystem(str(path))
-    whole = jsonl.count_lines(fs, local)
-    assert whole[:2] == (data.count(b"\n") + (not data.endswith(b"\n")), len(data))
+    whole = jsonl.scan(fs, local)
+    assert (sum(whole[0]), whole[1][-1]) == (data.count(b"\n") + (not data.endswith(b"\n")),
+                                            len(data))
     for block in (1, 7, 64, 1000):
-        assert jsonl.count_lines(fs, local, block=block) == whole, block
+        assert jsonl.scan(fs, local, block=block) == whole, block
+    # Groups of whole lines, cut the same way whatever the read block.
+    grouped = jsonl.scan(fs, local, group_bytes=200)
+    assert sum(grouped[0]) == sum(whole[0]) and len(grouped[0]) > 3
+    for block in (1, 7, 64, 1000):
+        assert jsonl.scan(fs, local, group_bytes=200, block=block) == grouped, block
+    assert all(data[o - 1:o] == b"\n" for o in grouped[1][1:-1])
+    assert [data[a:b].count(b"\n") + (b == len(data) and not data.endswith(b"\n"))
+            for a, b in zip(grouped[1], grouped[1][1:], strict=False)] == list(grouped[0])
 
 
 def test_files_are_planned_in_order_and_the_first_bad_one_in_order_is_named(tmp_path):
@@ -310,3 +319,96 @@ def test_decode_texts_codes_every_row_of_any_slice_as_its_value_says(kind):
         assert codes.tolist() == want, (kind, rows, a, b)
         assert [t for t, c in zip(texts, codes, strict=True) if c == 0] == \
             [v for v, c in zip(rows[a:b], want, strict=True) if c == 0]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_jsonl_file_read_in_groups_gives_what_the_whole_file_does(tmp_path, monkeypatch,
+                                                                    suffix, sequential, copy):
+    """A JSONL file is split into groups of lines found by byte offset (plain; compressed,
+    in a decompressed copy on disk) or by decompressing on (compressed, without the disk
+    cache), so a reader holds a group, never the file: every row, with its bad-line reasons
+    and their line numbers, as a parse of the whole file gives them."""
+    if not copy and suffix == ".jsonl":
+        pytest.skip("a plain file needs no copy")
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "1" if copy else "0")
+    texts = make_texts(300, 7)
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[0] = "\ufeff" + lines[0]
+    lines[41] = "{not json"
+    lines[150] = "[1, 2]"
+    data = ("\n".join(lines)).encode()  # the last line without a newline
+    path = tmp_path / f"f{suffix}"
+    if suffix.endswith(".gz"):
+        path.write_bytes(gzip.compress(data))
+    elif suffix.endswith(".zst"):
+        with pa.CompressedOutputStream(str(path), "zstd") as out:
+            out.write(data)
+    else:
+        path.write_bytes(data)
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 2000)
+    monkeypatch.setattr(sources, "_copies", {})
+    forget_decoded()
+    info = describe_file(str(path), None, "text")
+    assert len(info.row_groups) > 5 and info.num_rows == 300
+    assert info.group_offsets[-1] == len(data)
+    fs, local = paths.filesystem(str(path))
+    whole = jsonl.read_table(str(path), fs, local, "text", 300)
+    want = whole.column(0).cast(pa.binary()).to_pylist()
+    want_bad = whole.column(1).to_pylist()
+    got, got_bad = [], []
+    try:
+        for g, rows in enumerate(info.row_groups):
+            for start in range(0, rows, 7):
+                stop = min(rows, start + 7)
+                arr, bad = read_texts(info, g, start, stop, "text", sequential=sequential)
+                got += arr.cast(pa.binary()).to_pylist() if arr.type != pa.binary() \
+                    else arr.to_pylist()
+                got_bad += bad.tolist() if bad is not None else [0] * (stop - start)
+    finally:
+        forget_decoded()
+    assert got == want and got_bad == want_bad
+    copies = list((tmp_path / "cache").rglob("*")) if (tmp_path / "cache").exists() else []
+    assert any(p.is_file() and p.stat().st_size == len(data) for p in copies) == (
+        copy and suffix != ".jsonl")
+
+
+def test_a_large_jsonl_files_scan_is_kept_for_the_next_plan_until_it_changes(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 2000)
+    path = write_jsonl(tmp_path / "a.jsonl", make_texts(300, 3))
+    scans = []
+    real = jsonl.scan
+    monkeypatch.setattr(jsonl, "scan", lambda *a, **k: scans.append(1) or real(*a, **k))
+    first = describe_file(path, None, "text")
+    assert describe_file(path, None, "text") == first and len(scans) == 1
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    again = describe_file(path, None, "text")
+    assert len(scans) == 2 and again.num_rows == first.num_rows + 1
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_jsonl_file_in_groups_feeds_its_documents_in_order_and_again_the_same(
+        tmp_path, monkeypatch, suffix):
+    monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path / "cache"))
+    texts = make_texts(200, 5)
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    path = tmp_path / f"a{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 1500)
+    forget_decoded()
+    config = make_config([path], shuffle=False, seq_len=8, unit_rows=16)
+    assert len(build_plan(config).files[0].row_groups) > 5
+    docs = split_documents(stream_tokens(all_streams(config)[0]), EOS)
+    assert docs == tokenize(texts)
+    # Shuffled: the same documents, and the same streams again from a fresh process state.
+    shuffled = make_config([path], seq_len=8, unit_rows=16, num_streams=4, global_batch_size=4)
+    one = all_streams(shuffled)
+    forget_decoded()
+    assert all((a == b).all() for a, b in zip(one, all_streams(shuffled), strict=True))
+    got = sorted(d for s in one for d in split_documents(stream_tokens(s), EOS))
+    assert got == sorted(tokenize(texts))

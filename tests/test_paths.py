@@ -272,3 +272,22 @@ def test_a_folder_written_by_datasets_save_to_disk_feeds_its_rows(tmp_path):
     config = make_config([tmp_path / "ds"], shuffle=False, seq_len=8)
     docs = split_documents(stream_tokens(all_streams(config)[0]), EOS)
     assert docs == tokenize(texts)
+
+
+def test_a_datasetdict_folder_needs_its_split_and_a_split_folder_reads_only_it(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    train, valid = make_texts(30, 1), make_texts(10, 2)
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train}),
+                               "validation": datasets.Dataset.from_dict({"text": valid})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    # The whole folder would pool train and validation: refused, naming a split folder.
+    with pytest.raises(ValueError, match=r"DatasetDict.*\['train', 'validation'\].*dd/train"):
+        list_files((str(tmp_path / "dd"),))
+    files = list_files((str(tmp_path / "dd" / "train"),))
+    assert [os.path.basename(f) for f in files] == ["data-00000-of-00001.arrow"]
+    # A glob never takes datasets' metadata files for JSON Lines data.
+    with pytest.raises(FileNotFoundError, match="glob matched no file"):
+        list_files((str(tmp_path / "dd" / "**" / "*.json"),))
+    config = make_config([tmp_path / "dd" / "train"], shuffle=False, seq_len=8)
+    docs = split_documents(stream_tokens(all_streams(config)[0]), EOS)
+    assert docs == tokenize(train)

@@ -180,7 +180,10 @@ def test_a_large_group_past_the_budget_is_a_warning(large_file, cache_dir, monke
     assert not any("hold over" in r.getMessage() for r in caplog.records)
 
 
-def test_a_large_jsonl_file_is_parsed_once_and_then_read_from_disk(cache_dir, tmp_path, caplog):
+def test_a_large_jsonl_group_is_parsed_once_and_then_read_from_disk(cache_dir, tmp_path, caplog,
+                                                                    monkeypatch):
+    # A JSONL group this large: a file whose lines are longer than jsonl.GROUP_BYTES.
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 1 << 40)
     texts = _large_texts(1)
     path = write_jsonl(tmp_path / "big.jsonl", texts)
     with caplog.at_level(logging.INFO, logger="ingest.plan"):
@@ -197,13 +200,15 @@ def _read_in_a_fresh_process(info, start, stop, barrier, out) -> None:
     """A worker process's first read of a unit (spawned: nothing decoded yet)."""
     parsed = []
     real = jsonl.read_table
-    jsonl.read_table = lambda *a: parsed.append(1) or real(*a)
+    jsonl.read_table = lambda *a, **k: parsed.append(1) or real(*a, **k)
     barrier.wait(timeout=60)
     arr, _ = read_texts(info, 0, start, stop, "text")
     out.put((len(parsed), arr.to_pylist()))
 
 
-def test_processes_that_start_on_one_large_file_at_once_parse_it_once(cache_dir, tmp_path):
+def test_processes_that_start_on_one_large_file_at_once_parse_it_once(cache_dir, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setattr(jsonl, "GROUP_BYTES", 1 << 40)  # one JSONL group over the cache limit
     texts = _large_texts(2)
     path = write_jsonl(tmp_path / "big.jsonl", texts)
     plan = build_plan(make_config([path], unit_rows=256))
