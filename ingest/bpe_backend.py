@@ -58,10 +58,11 @@ PROVEN = {name: b.proven for name, b in REGISTRY.items()}
 
 
 class FastBPETokenizer:
-    """A tiktoken tokenizer whose encoding runs on a faster backend with identical ids.
+    """A tokenizer whose encoding runs on a faster backend with the reference's ids.
 
-    Attributes not defined here (``name``, ``eos_id``, ``vocab_size``, ...) are the tiktoken
-    tokenizer's; ``fallbacks`` counts documents encoded by tiktoken instead.
+    ``name``, ``eos_id``, ``vocab_size``, ``bos_id``, ``add_bos`` and ``specials_reason`` are
+    the reference tokenizer's (tiktoken's, or HF tokenizers' for a ``tokenizer.json``);
+    ``fallbacks`` counts documents encoded by the reference instead.
     """
 
     def __init__(self, reference, backend: str, encode: Callable[[str], Sequence[int]],
@@ -69,16 +70,17 @@ class FastBPETokenizer:
                  encode_docs: Callable[[list[str]], tuple[np.ndarray, np.ndarray]] | None
                  = None):
         self.reference = reference
+        self.name: str = reference.name
+        self.eos_id: int = reference.eos_id
+        self.vocab_size: int = reference.vocab_size
+        self.bos_id: int | None = reference.bos_id
+        self.add_bos: bool = reference.add_bos
+        self.specials_reason: str = reference.specials_reason
         self.backend = backend
         self._encode = encode
         self._encode_joined = encode_joined
         self._encode_docs = encode_docs
         self.fallbacks = 0
-
-    def __getattr__(self, name: str):
-        if name == "reference":  # not yet set (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.reference, name)
 
     def _ids(self, text: str) -> Sequence[int]:
         try:

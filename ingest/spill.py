@@ -3,9 +3,8 @@
 A unit is often a part of a Parquet row group (``unit_rows`` below the group's rows), and
 Parquet decodes a column a whole row group at a time. Small groups stay decoded in memory
 (``ingest.sources``); a group too large for that cache would be decoded again for every unit of
-it: a file written as one 31 MB row group (11,500 documents; pandas and ``pq.write_table`` put
-up to a million rows in a group) takes 83 s to read that way as 8-row units, against 1.9 s for
-the same documents in 1,024-row groups. Here such a group is decoded once per machine, written
+it, for a cost that grows with the square of the group's size (pandas and ``pq.write_table``
+put up to a million rows in a group). Here such a group is decoded once per machine, written
 uncompressed as an Arrow IPC file under the cache folder, and memory-mapped: a unit then
 copies only its own rows, in every worker process on the machine, every epoch and every run.
 The same holds for a large JSON Lines file (one group, parsed once per machine) and a large

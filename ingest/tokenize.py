@@ -52,15 +52,17 @@ _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
 
 
 class Tokenizer(Protocol):
-    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``;
-    optional for tokenizers passed in: ``bos_id`` (the beginning-of-document id ``bos: true``
-    puts first; None if the tokenizer names none) and ``add_bos`` (whether ``bos: null``, the
-    default, puts it first: the model's own configuration).
+    """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``,
+    ``bos_id`` (the beginning-of-document id ``bos: true`` puts first; None if the tokenizer
+    names none) and ``add_bos`` (whether ``bos: null``, the default, puts it first: the
+    model's own configuration).
     """
 
     name: str
     eos_id: int
     vocab_size: int
+    bos_id: int | None
+    add_bos: bool
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Encodes documents as ordinary text; one int32 array per document."""
@@ -109,12 +111,12 @@ def bos_id_of(tokenizer: Tokenizer, bos: bool | int | None) -> int | None:
         or an id outside the vocabulary.
     """
     if bos is None:
-        own = getattr(tokenizer, "bos_id", None)
-        return int(own) if getattr(tokenizer, "add_bos", False) and own is not None else None
+        own = tokenizer.bos_id
+        return int(own) if tokenizer.add_bos and own is not None else None
     if bos is False:
         return None
     if bos is True:
-        bos_id = getattr(tokenizer, "bos_id", None)
+        bos_id = tokenizer.bos_id
         if bos_id is None:
             raise ValueError(
                 f"bos=true, but tokenizer={tokenizer.name!r} names no beginning-of-document "

@@ -44,8 +44,8 @@ class Units(collections.abc.Sequence):
     """The plan's units, stored as one numpy array per field of ``Unit``.
 
     ``units[i]`` is a ``Unit``; the arrays (``units.nbytes``, ``units.source`` ...) serve
-    vectorized work. A million units take 36 MB here, against about 250 MB as ``Unit``
-    objects, and pickle as six buffers, which Ray hands to every worker of a node from its
+    vectorized work. They take a fraction of the memory of as many ``Unit`` objects, and
+    pickle as six buffers, which Ray hands to every worker of a node from its
     object store without a copy.
     """
 

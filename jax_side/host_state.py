@@ -12,6 +12,7 @@ from typing import Any
 
 from ingest.config import Config
 from ingest.plan import deal_units
+from ingest.replay import MaterializedPlan
 from ingest.stream_head import STATE_VERSION, StreamState
 from ingest.units import UnitPlan
 
@@ -285,7 +286,7 @@ def validate_state(state: dict[str, Any], config: Config, plan: UnitPlan) -> Non
     except _Invalid as e:
         raise ValueError(f"the checkpoint's {e}; {_EDITED}") from None
     expected = ranges.rows_before(step)
-    replay = hasattr(plan, "stream_units")
+    replay = isinstance(plan, MaterializedPlan)
     for sid, entry in state["streams"].items():
         try:
             if not (isinstance(sid, str) and sid.isdigit()

@@ -19,6 +19,7 @@ import numpy as np
 
 from ingest.config import Config
 from ingest.plan import UnitPlan, deal_units
+from ingest.replay import MaterializedPlan
 
 __all__ = ["BYTES_PER_TOKEN", "DEALT_EPOCHS", "IteratorLength", "LengthEstimator",
            "steps_covering"]
@@ -82,11 +83,10 @@ class LengthEstimator:
             return IteratorLength(None, True, "num_epochs is null: the data never ends")
         if ended_at is not None:
             return IteratorLength(ended_at, True, "this pass has ended")
-        replay = getattr(self.plan, "stream_units", None)
-        if replay is not None:
+        if isinstance(self.plan, MaterializedPlan):
             # A materialized directory (ingest.replay): its manifest counts every stream's rows.
             num_rows = self.plan.units.num_rows
-            rows = np.array([num_rows[list(units)].sum() for units in replay],
+            rows = np.array([num_rows[list(units)].sum() for units in self.plan.stream_units],
                             np.int64) * c.num_epochs
             exact, basis = True, "the materialized directory's rows, from its manifest"
         else:

@@ -64,7 +64,7 @@ def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
     simulation flags), which this module never imports."""
     t_start = _process_start_time()
 
-    # A config file is read before Ray starts (about 10 ms), to size a local cluster; the demo
+    # A config file is read before Ray starts (it is quick), to size a local cluster; the demo
     # (which writes its corpus on first use) is built while Ray starts.
     cfg = config_from_args(args) if args.config else None
     ray_started = None

@@ -451,6 +451,7 @@ def poisoned_worker(marker: str):
             self._tok = tokenizer
             self.name, self.eos_id, self.vocab_size = (tokenizer.name, tokenizer.eos_id,
                                                        tokenizer.vocab_size)
+            self.bos_id, self.add_bos = tokenizer.bos_id, tokenizer.add_bos
 
         def encode_batch(self, texts):
             self._check(texts)

@@ -643,6 +643,7 @@ class _FailsOn:
     def __init__(self, marker: str):
         self._tok = load_tokenizer("gpt2")
         self.name, self.eos_id, self.vocab_size = "gpt2", self._tok.eos_id, self._tok.vocab_size
+        self.bos_id, self.add_bos = None, False
         self.marker = marker
 
     def encode_batch(self, texts):
