@@ -7,8 +7,8 @@ it, for a cost that grows with the square of the group's size (pandas and ``pq.w
 put up to a million rows in a group). Here such a group is decoded once per machine, written
 uncompressed as an Arrow IPC file under the cache folder, and memory-mapped: a unit then
 copies only its own rows, in every worker process on the machine, every epoch and every run.
-The same holds for a large JSON Lines file (one group, parsed once per machine) and a large
-compressed IPC record batch.
+The same holds for a large compressed IPC record batch; a compressed JSON Lines file is kept
+here decompressed, so that each of its groups of lines is read by a seek.
 
 The files take the decoded text's size on disk, at most ``$INGEST_ROW_GROUP_CACHE_GB`` GiB
 (default 16; 0 turns this off) in all: the least recently used go first. Like every cache here,
