@@ -1,4 +1,4 @@
-"""Killing workers on purpose, from outside (tests, demos, ``ingest run --kill-worker-every``).
+"""Killing workers on purpose, from outside (tests, demos, ``ingest-dev run --kill-worker-every``).
 
 Nothing here reaches inside a worker: a worker is SIGKILLed like the kernel's OOM killer would,
 and the pool notices the death as it notices any other.
