@@ -55,7 +55,7 @@ class Tokenizer(Protocol):
     """Attributes: ``name``, ``eos_id`` (appended after every document), ``vocab_size``,
     ``bos_id`` (the beginning-of-document id ``bos: true`` puts first; None if the tokenizer
     names none) and ``add_bos`` (whether ``bos: null``, the default, puts it first: the
-    model's own configuration).
+    model's own configuration), ``specials_reason`` (where those ids come from, in words).
     """
 
     name: str
@@ -63,6 +63,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     add_bos: bool
+    specials_reason: str
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Encodes documents as ordinary text; one int32 array per document."""

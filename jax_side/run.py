@@ -127,6 +127,7 @@ def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
         stats.update(lab.stats())
     stats["first_step"] = start_step
     stats["last_step"] = step
+    stats["tokenizer"] = _special_tokens(feed.config)
     if digest is not None:
         stats["digest"] = digest.hexdigest()
     return run_summary.report(args, stats, start_step)
@@ -236,6 +237,16 @@ def _feed_loop(args, feed, manager, digest: BatchDigest | None, start_step: int,
         if digest_log is not None:
             digest_log.close()
     return step
+
+
+def _special_tokens(config: Config) -> dict[str, Any]:
+    """The ids the run put around documents, and why (the tokenizer is cached where this
+    process loaded it)."""
+    from ingest.tokenize import bos_id_of, load_tokenizer  # noqa: PLC0415
+
+    tok = load_tokenizer(config.tokenizer, config.tokenizer_backend)
+    return {"name": tok.name, "eos_id": tok.eos_id, "bos_id": bos_id_of(tok, config.bos),
+            "bos": config.bos, "reason": tok.specials_reason}
 
 
 def _workers_run(feed) -> bool:

@@ -220,6 +220,11 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     if s.get("object_store_bytes_bound"):
         lines.append(f"object store held at most {s['object_store_bytes_peak'] / 2**20:.1f} MiB "
                      f"(bound {s['object_store_bytes_bound'] / 2**20:.1f} MiB)")
+    if s.get("tokenizer"):
+        t = s["tokenizer"]
+        bos = ("none" if t["bos_id"] is None else t["bos_id"])
+        lines.append(f"tokenizer {t['name']}: eos {t['eos_id']}, bos {bos} (bos: "
+                     f"{json.dumps(t['bos'])}); {t['reason']}")
     if "digest" in s:
         lines.append(f"digest {s['digest']}")
     return lines

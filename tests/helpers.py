@@ -452,6 +452,7 @@ def poisoned_worker(marker: str):
             self.name, self.eos_id, self.vocab_size = (tokenizer.name, tokenizer.eos_id,
                                                        tokenizer.vocab_size)
             self.bos_id, self.add_bos = tokenizer.bos_id, tokenizer.add_bos
+            self.specials_reason = tokenizer.specials_reason
 
         def encode_batch(self, texts):
             self._check(texts)

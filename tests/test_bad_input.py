@@ -644,6 +644,7 @@ class _FailsOn:
         self._tok = load_tokenizer("gpt2")
         self.name, self.eos_id, self.vocab_size = "gpt2", self._tok.eos_id, self._tok.vocab_size
         self.bos_id, self.add_bos = None, False
+        self.specials_reason = self._tok.specials_reason
         self.marker = marker
 
     def encode_batch(self, texts):

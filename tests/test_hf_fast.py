@@ -237,3 +237,30 @@ def test_digest_of_a_tokenizer_json_is_the_same_on_tuetoken_and_hf(families, tmp
     want = _digest(paths, families["llama3"], "tiktoken")
     assert want[1] >= 5
     assert _digest(paths, families["llama3"], "auto") == want
+
+
+def test_the_run_summary_names_the_special_tokens_it_used(families, tmp_path):
+    from jax_side.run import _special_tokens
+    from jax_side.run_summary import summary_lines
+
+    path = tmp_path / "part.parquet"
+    pq.write_table(pa.table({"text": ["one two"]}), str(path))
+    cfg = Config(sources=(SourceConfig(paths=(str(path),)),), tokenizer=families["llama3"],
+                 seq_len=8, global_batch_size=1, num_streams=1)
+    n = 100256
+    assert _special_tokens(cfg)["bos_id"] == n and _special_tokens(cfg)["eos_id"] == n + 1
+    off = _special_tokens(cfg.replace(bos=False))
+    assert off["bos_id"] is None and off["bos"] is False
+    line = next(ln for ln in summary_lines(_summary_with(_special_tokens(cfg)))
+                if ln.startswith("tokenizer "))
+    assert f"eos {n + 1}, bos {n} (bos: null)" in line and "post-processor" in line
+
+
+def _summary_with(tokenizer: dict) -> dict:
+    """The fields summary_lines reads, of a run of one step, with ``tokenizer``."""
+    return {"steps": 1, "tokens": 8, "startup_s": 0.1, "backend": "local", "workers": 0,
+            "restarts": 0, "streams": 1, "padding_rows": 0, "padding_tokens": 0, "documents": 1,
+            "truncated_documents": 0, "truncated_tokens": 0, "skipped_documents": {},
+            "skipped_files": [], "skipped_rows_of_bad_files": {}, "run_tokens_per_s": 80.0,
+            "run_s": 0.1, "feed_tokens_per_s": None, "feed_rate_unmeasured": "one step",
+            "step_time_s": 0.0, "tokenizer": tokenizer}
