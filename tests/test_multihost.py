@@ -593,7 +593,9 @@ def test_the_command_fails_where_the_environment_suggests_hosts_jax_cannot_join(
          "--json", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
         timeout=JOIN_CHECK_TIMEOUT_S, env=cluster_env(INGEST_CACHE_DIR=str(tmp_path), **env))
     assert out.returncode == 1, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
-    assert out.stdout == ""  # no step ran
+    # No step ran: the only line on stdout is --json's error line.
+    error = json.loads(out.stdout)
+    assert error["exit_status"] == 1 and "could not join them" in error["error"], out.stdout
     line = next(x for x in out.stderr.splitlines() if x.startswith("ingest: error:"))
     assert f"the environment suggests several JAX processes ({evidence})" in line, line
     assert "jax.distributed.initialize() could not join them" in line and fix in line, line
