@@ -358,11 +358,9 @@ def streams_per_call_for(streams: int, workers: int, given: int | None = None) -
 
 
 # Output fields added after checkpoints existed enter the fingerprint only when set, so a
-# checkpoint saved before they existed still restores under their defaults. ``bos`` is
-# omitted at false, its meaning in those checkpoints: the default null (the tokenizer's own
-# choice, which may put a BOS first) is recorded, so it never restores one saved without a BOS.
+# checkpoint saved before they existed still restores under their defaults.
 _OMITTED_AT_DEFAULT = {"drop_remainder": False, "batch_rampup": None, "deal": "units",
-                       "bos": False}
+                       "bos": None}
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

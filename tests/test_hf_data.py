@@ -135,12 +135,10 @@ def test_bos_puts_the_tokenizers_bos_before_every_document(tmp_path, llama_style
     assert len(segs) == len(texts) and all(s[0] == 50257 for s in segs)
 
 
-def test_bos_enters_the_fingerprint_unless_false(tmp_path):
+def test_bos_enters_the_fingerprint_only_when_set(tmp_path):
     write_parquet(tmp_path / "a.parquet", make_texts(10, 1))
     base = make_config([tmp_path])
-    # false (no BOS) is what a state saved without the field meant; null may put one first.
-    assert base.output_fields()["bos"] is None
-    assert "bos" not in base.replace(bos=False).output_fields()
+    assert "bos" not in base.output_fields()
     # null (the default) follows the tokenizer's configuration; false is none whatever it says
     prints = {base.fingerprint(), base.replace(bos=False).fingerprint(),
               base.replace(bos=True).fingerprint(), base.replace(bos=0).fingerprint(),
