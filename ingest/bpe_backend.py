@@ -68,7 +68,7 @@ class FastBPETokenizer:
     def __init__(self, reference, backend: str, encode: Callable[[str], Sequence[int]],
                  encode_joined: Callable[[str, frozenset], object] | None = None,
                  encode_docs: Callable[[list[str]], tuple[np.ndarray, np.ndarray]] | None
-                 = None):
+                 = None, family: str | None = None):
         self.reference = reference
         self.name: str = reference.name
         self.eos_id: int = reference.eos_id
@@ -76,6 +76,7 @@ class FastBPETokenizer:
         self.bos_id: int | None = reference.bos_id
         self.add_bos: bool = reference.add_bos
         self.specials_reason: str = reference.specials_reason
+        self.family = family  # a tokenizer.json's proven family (ingest.bpe_tuetoken.hf_family)
         self.backend = backend
         self._encode = encode
         self._encode_joined = encode_joined
@@ -192,7 +193,7 @@ def accelerate_hf(reference, backend: str):
                              f"tuetoken ({e})") from e
         return reference
     fast = FastBPETokenizer(reference, "tuetoken", guarded.encode_ordinary,
-                            encode_docs=guarded.encode_docs)
+                            encode_docs=guarded.encode_docs, family=reference.family)
     files = [__file__, reference.path] + [f for f in map(
         _module_file, (*REGISTRY["tuetoken"].modules, "ingest.bpe_tuetoken",
                        "tokenizers.tokenizers")) if f]
