@@ -76,9 +76,9 @@ def _arrays_then_copy(local: np.ndarray, sharding, batch: int) -> tuple[float, f
 def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     import jax
 
+    from ingest.chunk_format import FIELDS, RowPieces, batch_groups
     from ingest.config import Config
     from ingest.plan import build_plan
-    from ingest.shift import FIELDS, RowPieces, batch_groups
     from ingest.stream import Stream
     from jax_side.feed import HostFeed
     from jax_side.host_buffers import aligned_empty
@@ -172,7 +172,7 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     import jax
 
     from ingest.chunk import Chunk
-    from ingest.shift import FIELDS, RowPieces, batch_groups, new_rows
+    from ingest.chunk_format import FIELDS, RowPieces, batch_groups, new_rows
     from jax_side.host_buffers import aligned_empty
     from jax_side.sharding import batch_sharding
 

@@ -213,9 +213,9 @@ def _rows_per_stream(spec: BenchSpec) -> int | None:
 
 
 def _produce_all(spec: BenchSpec, max_rows_per_stream: int | None) -> tuple[float, int, int]:
+    from ingest.chunk_format import LAYOUT_FIELDS
     from ingest.config import Config
     from ingest.plan import build_plan
-    from ingest.shift import LAYOUT_FIELDS
     from ingest.stream import Stream
 
     cfg = Config.from_dict(spec.config)

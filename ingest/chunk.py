@@ -16,8 +16,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ingest.chunk_format import fields_of
 from ingest.config import Config
-from ingest.shift import fields_of
 from ingest.units import UnitPlan
 
 __all__ = ["Chunk", "ChunkSource", "ChunkStream", "SourceStats", "StartAt", "state_from_json"]
@@ -31,7 +31,7 @@ class Chunk:
 
     The six fields of ``FIELDS`` are kept in two arrays (``TOKEN_FIELDS``,
     ``LAYOUT_FIELDS``); ``fields`` gives them as one int32 array, and
-    ``ingest.shift.RowPieces`` copies rows of them into a batch's.
+    ``ingest.chunk_format.RowPieces`` copies rows of them into a batch's.
 
     Attributes:
       stream_id: the stream.

@@ -23,11 +23,11 @@ import os
 from typing import Any
 
 from ingest.batch_schedule import BatchSchedule
+from ingest.chunk_format import chunk_token_bytes
 from ingest.config_checks import AUTO_FIELDS, check_fields, unknown_fields
 from ingest.config_memory import check_memory, machine_memory
 from ingest.config_yaml import read_yaml_fields, resolve_path, resolve_tokenizer
 from ingest.errors import ConfigError
-from ingest.shift import chunk_token_bytes
 from ingest.source_config import SourceConfig
 
 __all__ = ["AUTO_FIELDS", "Config", "ConfigError", "SourceConfig", "check_memory",
@@ -245,7 +245,7 @@ class Config:
     @property
     def chunk_bytes(self) -> int:
         """Object-store bytes of one chunk: ``chunk_rows x seq_len`` tokens of
-        ``ingest.shift.chunk_token_bytes`` each."""
+        ``ingest.chunk_format.chunk_token_bytes`` each."""
         return chunk_token_bytes(self.seq_len) * self.chunk_rows * self.seq_len
 
     def requests_in_flight(self, owned_streams: int) -> int:

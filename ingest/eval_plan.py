@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from ingest.chunk_format import FIELDS
 from ingest.evaluation import INDEX_FIELDS, EvalConfig, EvalSequences
-from ingest.shift import FIELDS
 
 __all__ = ["EvalPlan", "plan_batches"]
 

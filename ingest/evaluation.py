@@ -32,7 +32,7 @@ request order, then window order), and cuts the sorted list into global batches 
 
 Rows carry ``document_idx`` (the request's index) and ``sequence_idx`` (its piece or window,
 0 for a pair), so per-token scores map back to requests (``sum_by_request``). Field names and
-conventions are those of ``ingest.shift``: segment 1 on a sequence's tokens, 0 on padding;
+conventions are those of ``ingest.chunk_format``: segment 1 on a sequence's tokens, 0 on padding;
 ``targets_segmentation == 0`` wherever no loss is taken (prefix, context, padding).
 """
 
@@ -53,7 +53,7 @@ __all__ = [
     "tokenize_requests",
 ]
 
-# Per-row fields ([rows]) beside the six [rows, width] token fields of ingest.shift.FIELDS.
+# Per-row fields ([rows]) beside the six [rows, width] token fields of ingest.chunk_format.FIELDS.
 INDEX_FIELDS = ("document_idx", "sequence_idx")
 _PROBLEMS_SHOWN = 10  # a long list of bad requests is cut to its first few, with the count
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ingest.chunk import Chunk
+from ingest.chunk_format import FIELDS, LAYOUT_FIELDS
 from ingest.config import Config
 from ingest.dirlock import exclusive
 from ingest.segments import (
@@ -47,7 +48,6 @@ from ingest.segments import (
     stream_dir,
     write_json_atomic,
 )
-from ingest.shift import FIELDS, LAYOUT_FIELDS
 from ingest.units import UnitPlan
 
 __all__ = ["ChunkSource", "MaterializeSummary", "Progress", "materialize"]

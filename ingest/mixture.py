@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from ingest.chunk import Chunk, ChunkStream, state_from_json
+from ingest.chunk_format import LAYOUT_FIELDS, new_rows
 from ingest.config import Config
-from ingest.shift import LAYOUT_FIELDS, new_rows
 from ingest.text_stream import Stream, StreamState
 from ingest.tokenize import Tokenizer, load_tokenizer
 from ingest.units import UnitPlan

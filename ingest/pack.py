@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BinPacker", "assign_bins", "concat_rows", "fill_bins"]
+from ingest.chunk_format import new_rows
+from ingest.shift import segments_and_positions
+
+__all__ = ["BinPacker", "assign_bins", "concat_fields", "concat_rows", "fill_bins"]
 
 
 def concat_rows(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: int,
@@ -123,3 +126,56 @@ def fill_bins(pieces: list[np.ndarray], bins: list[list[int]], width: int) -> tu
             at += len(p)
         valid[r, :at] = True
     return tok, st, valid
+
+
+def concat_fields(tokens: np.ndarray, starts: np.ndarray, n_rows: int, seq_len: int, *,
+                  shift: str, predict_across_documents: bool,
+                  eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Packs a flat token sequence with ``concat`` and shifts it, in one pass.
+
+    The same rows as ``shift_rows(*concat_rows(tokens, starts, n_rows, seq_len, W), ...)``
+    (``ingest.pack``), written straight from the flat sequence: row r holds tokens
+    ``[r * seq_len, (r + 1) * seq_len)``, so no ``[n, W]`` copies are needed. Tokens missing at the end (finite data) become padding.
+
+    Args:
+      tokens: int32 token sequence (documents with EOS, back to back), at least what the rows
+        take; more is ignored.
+      starts: bool, True at each document's first token (same length as ``tokens``).
+
+    Returns:
+      a chunk's ``tokens`` and ``layout`` arrays (``new_rows``) of ``n_rows`` rows.
+    """
+    n, L = n_rows, seq_len
+    cells = n * L
+    have = min(len(tokens), cells + (1 if shift == "left" else 0))
+    real = min(have, cells)  # input cells that hold a token; the rest is padding
+    tok, lay = new_rows(n, L)
+    inputs, targets = (f.reshape(-1) for f in tok)
+    pos, seg, tseg = (f.reshape(-1) for f in lay)
+    begin = np.zeros((n, L), dtype=bool)
+    begin.reshape(-1)[:real] = starts[:real]
+    begin[:, 0] = True
+    segments_and_positions(begin, lay[1], lay[0])
+    seg[real:] = 0
+    pos[real:] = 0
+    if shift == "left":
+        inputs[:real] = tokens[:real]
+        inputs[real:] = 0
+        m = max(have - 1, 0)  # input cells followed by a token: the ones with a target
+        targets[:m] = tokens[1:have]
+        targets[m:] = 0
+        if predict_across_documents:
+            tseg[:m] = seg[:m]
+        else:
+            # No loss on a target that begins the next document.
+            np.multiply(seg[:m], ~starts[1:have], out=tseg[:m], casting="unsafe")
+        tseg[m:] = 0
+    else:
+        targets[:real] = tokens[:real]
+        targets[real:] = 0
+        rows = inputs.reshape(n, L)
+        rows[:, 0] = eos_id
+        rows[:, 1:] = targets.reshape(n, L)[:, :-1]
+        inputs[real:] = 0
+        tseg[:] = seg
+    return tok, lay

@@ -32,11 +32,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.chunk import Chunk, ChunkStream, state_from_json
+from ingest.chunk_format import FIELD_PLACES, FIELDS, new_rows
 from ingest.columns import numpy_view
 from ingest.config import Config
 from ingest.errors import BadInputError
 from ingest.segments import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
-from ingest.shift import FIELD_PLACES, FIELDS, new_rows
 from ingest.sources import FileInfo
 from ingest.units import Unit, UnitPlan, Units
 

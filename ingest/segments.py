@@ -1,7 +1,7 @@
 """Materialized segments on disk: names, the manifest, and reading, writing and hashing a
 segment (``ingest.materialize`` runs the job, ``ingest.replay`` feeds the segments again).
 
-A segment holds the six fields of ``ingest.shift.FIELDS`` as int32 columns with one value per
+A segment holds the six fields of ``ingest.chunk_format.FIELDS`` as int32 columns with one value per
 token: ``rows x seq_len`` values, row-major (row r is values ``[r L, (r + 1) L)``), in row
 groups of whole rows. Flat columns decode several times faster than ``fixed_size_list<int32>``
 columns, and replay is mostly decoding. A segment's ``sha256`` hashes its content, independent
@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.shift import FIELDS
+from ingest.chunk_format import FIELDS
 
 __all__ = ["COMPLETE", "FORMAT", "FORMAT_VERSION", "MANIFEST", "SEGMENT_FILE", "SegmentWriter",
            "content_sha256", "file_sha256", "load_json", "read_manifest", "read_segment",

@@ -1,6 +1,6 @@
 """A text stream's rows: the tokens from the head on, cut into rows (``packing: concat``) or
 packed into bins of whole documents (``first_fit``, ``best_fit``, ``none``), then shifted into
-the six fields (a chunk's ``tokens`` and ``layout`` arrays, ``ingest.shift``).
+the six fields (a chunk's ``tokens`` and ``layout`` arrays, ``ingest.chunk_format``).
 
 With first_fit/best_fit the head stays at the first piece of the packing batch being emitted,
 and ``batch_rows_taken`` in the state counts the batch's rows already emitted: restore re-packs
@@ -13,9 +13,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ingest.chunk_format import new_rows
 from ingest.config import Config
-from ingest.pack import BinPacker, fill_bins
-from ingest.shift import concat_fields, new_rows, shift_rows
+from ingest.pack import BinPacker, concat_fields, fill_bins
+from ingest.shift import shift_rows
 from ingest.stream_head import Head
 from ingest.unit_reader import UnitTokens
 

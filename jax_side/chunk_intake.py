@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ingest.chunk import ChunkSource
+from ingest.chunk_format import FIELDS, RowPieces, batch_groups
 from ingest.config import Config
 from ingest.plan import UnitPlan
-from ingest.shift import FIELDS, RowPieces, batch_groups
 from ingest.stream import Chunk
 from jax_side.feed_stats import PoolStats
 from jax_side.local_source import LocalSource

@@ -24,9 +24,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ingest.chunk_format import FIELDS
 from ingest.eval_plan import EvalPlan, plan_batches
 from ingest.evaluation import INDEX_FIELDS, EvalConfig, Request, tokenize_requests
-from ingest.shift import FIELDS
 from ingest.tokenize import Tokenizer
 from jax_side.sharding import host_rows
 
@@ -48,7 +48,7 @@ def _axis_size(sharding: NamedSharding, dim: int) -> int:
 class EvalFeed:
     """Iterates the global batches of an eval set; can be iterated again (every eval).
 
-    Each batch is a dict of int32 ``jax.Array``: the six fields of ``ingest.shift.FIELDS``,
+    Each batch is a dict of int32 ``jax.Array``: the six fields of ``ingest.chunk_format.FIELDS``,
     ``[global_batch_size, width]`` (width varies per batch: a multiple of
     ``config.padding_multiple``), and ``document_idx``, ``sequence_idx``,
     ``[global_batch_size]`` (-1 on the empty rows that pad the last batch). Use

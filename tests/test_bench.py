@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ingest.chunk_format import FIELDS, fields_of
 from ingest.pack import concat_rows
-from ingest.shift import FIELDS, fields_of, shift_rows
+from ingest.shift import shift_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package

@@ -29,6 +29,7 @@ import pytest
 from helpers import WORDS, free_port, make_texts
 
 from ingest import step_digest
+from ingest.chunk_format import FIELDS
 from ingest.errors import ConfigError
 from ingest.eval_plan import plan_batches
 from ingest.evaluation import (
@@ -40,7 +41,6 @@ from ingest.evaluation import (
     sum_by_request,
     tokenize_requests,
 )
-from ingest.shift import FIELDS
 from ingest.tokenize import load_tokenizer
 from jax_side import batch_sharding
 from jax_side.eval_feed import EvalFeed

@@ -1,4 +1,4 @@
-"""Property tests for ingest.pack and ingest.shift, and agreement with grain's packers."""
+"""Property tests for ingest.pack, ingest.shift and ingest.chunk_format, and agreement with grain's packers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from helpers import F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ingest.chunk_format import FIELDS, RowPieces, batch_groups, fields_of, layout_dtype
 from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.shift import FIELDS, RowPieces, batch_groups, fields_of, layout_dtype
-from ingest.shift import concat_fields as _concat_fields
+from ingest.pack import concat_fields as _concat_fields
 from ingest.shift import shift_rows as _shift_rows
 
 EOS = 999
@@ -23,7 +23,7 @@ documents = st.lists(st.lists(st.integers(1, 500), min_size=0, max_size=30), min
 
 
 def concat_fields(*args, **kw) -> np.ndarray:
-    """``ingest.shift.concat_fields`` as one int32 ``[6, n, L]`` array."""
+    """``ingest.pack.concat_fields`` as one int32 ``[6, n, L]`` array."""
     return fields_of(*_concat_fields(*args, **kw))
 
 

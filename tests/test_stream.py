@@ -29,8 +29,8 @@ from helpers import (
 )
 
 from ingest import Stream, build_plan
+from ingest.chunk_format import RowPieces, batch_groups
 from ingest.plan import deal_units
-from ingest.shift import RowPieces, batch_groups
 from ingest.stream_rows import RowBuilder
 
 EOS = 50256  # gpt2's <|endoftext|>
