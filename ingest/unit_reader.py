@@ -1,7 +1,7 @@
 """Reading a stream's units: which units it reads each epoch, and each unit's documents as
 tokens.
 
-``UnitReader.units(epoch)`` is the stream's share of the epoch's deal (``ingest.plan``), shared
+``UnitReader.units(epoch)`` is the stream's share of the epoch's deal (``ingest.deal``), shared
 by the streams of a process; ``read`` reads one unit's rows (``ingest.sources``), puts them in
 the epoch's reading order, sorts out bad documents by the config's policies and tokenizes the
 rest, each followed by EOS, into a ``UnitTokens``.
@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 
 from ingest.columns import decode_texts, numpy_view
 from ingest.config import Config
+from ingest.deal import deal_units, permutation
 from ingest.errors import BAD_REASONS, BadInputError
-from ingest.plan import deal_units, permutation
 from ingest.sources import position, read_texts
 from ingest.tokenize import Tokenizer, bos_id_of, docs_of, with_bos, with_eos
 from ingest.units import UnitPlan

@@ -1,7 +1,8 @@
 """The plan's units: ``Unit`` (a fixed slice of one row group of one file), ``Units`` (all of
 them as numpy arrays) and ``UnitPlan`` (the units with the files they come from).
 
-``ingest.plan`` builds and deals them; streams, replay and checkpoints only read them.
+``ingest.plan`` builds them and ``ingest.deal`` deals them; streams, replay and checkpoints
+only read them.
 """
 
 from __future__ import annotations

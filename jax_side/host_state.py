@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from ingest.config import Config
-from ingest.plan import deal_units
+from ingest.deal import deal_units
 from ingest.replay import MaterializedPlan
 from ingest.stream_head import STATE_VERSION, StreamState
 from ingest.units import UnitPlan

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from ingest.config import Config
-from ingest.plan import UnitPlan, deal_units
+from ingest.deal import deal_units
+from ingest.plan import UnitPlan
 from ingest.replay import MaterializedPlan
 
 __all__ = ["BYTES_PER_TOKEN", "DEALT_EPOCHS", "IteratorLength", "LengthEstimator",

@@ -18,8 +18,9 @@ import numpy as np
 from ingest.chunk_format import LAYOUT_FIELDS
 from ingest.cli import LOG_EVERY_S, config_from_args
 from ingest.config import Config, check_memory
+from ingest.deal import deal_units
 from ingest.materialize import DEFAULT_SEGMENT_ROWS, MaterializeSummary, materialize
-from ingest.plan import UnitPlan, build_plan, deal_units
+from ingest.plan import UnitPlan, build_plan
 from ingest.stream import Chunk
 from ingest.tokenize import load_tokenizer
 from jax_side.ray_cluster import start_ray

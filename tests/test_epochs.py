@@ -28,7 +28,7 @@ from helpers import (
 )
 
 from ingest import FIELDS, ConfigError, build_plan, step_digest
-from ingest.plan import deal_units
+from ingest.deal import deal_units
 from ingest.tokenize import load_tokenizer
 from jax_side import HostFeed, batch_sharding
 from jax_side.multihost import EndAgreement

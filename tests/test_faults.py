@@ -186,7 +186,7 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ingest.plan import deal_units
+    from ingest.deal import deal_units
     from ingest.stream import Stream
     from tests.helpers import make_texts
 
@@ -241,7 +241,7 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ingest.plan import deal_units
+    from ingest.deal import deal_units
     from ingest.stream import open_stream
     from tests.helpers import make_texts
 

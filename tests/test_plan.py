@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from ingest.plan import Unit, UnitPlan, Units, _cut_units, deal_units, permutation, philox
+from ingest.deal import deal_units, permutation, philox
+from ingest.plan import Unit, UnitPlan, Units, _cut_units
 from ingest.sources import FileInfo
 
 

@@ -26,8 +26,8 @@ from helpers import (
 
 from ingest import Stream, build_plan, sources
 from ingest.config import ConfigError
+from ingest.deal import deal_units
 from ingest.errors import BadInputError
-from ingest.plan import deal_units
 
 EOS = 50256
 

@@ -30,7 +30,7 @@ from helpers import (
 
 from ingest import Stream, build_plan
 from ingest.chunk_format import RowPieces, batch_groups
-from ingest.plan import deal_units
+from ingest.deal import deal_units
 from ingest.stream_rows import RowBuilder
 
 EOS = 50256  # gpt2's <|endoftext|>
