@@ -18,6 +18,7 @@ import numpy as np
 
 from ingest.chunk_format import fields_of
 from ingest.config import Config
+from ingest.state_check import StateRanges
 from ingest.units import UnitPlan
 
 __all__ = ["Chunk", "ChunkSource", "ChunkStream", "SourceStats", "StartAt", "state_from_json"]
@@ -142,7 +143,7 @@ class ChunkStream(abc.ABC):
     ``produce(n)`` gives the next rows as a ``Chunk``; ``get_state`` gives the position as
     small JSON and ``set_state`` restores it exactly; ``describe_head`` names the position in
     the corpus's terms, for error messages. Subclasses implement ``_produce`` (``produce``
-    checks its argument first), the state pair and ``describe_head``.
+    checks its argument first), the state pair, ``check_state`` and ``describe_head``.
     """
 
     def __init__(self, config: Config, plan: UnitPlan, stream_id: int):
@@ -178,6 +179,17 @@ class ChunkStream(abc.ABC):
     @abc.abstractmethod
     def describe_head(self) -> str:
         """Where the stream is, in the corpus's terms (for error messages)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def check_state(cls, state: Any, ranges: StateRanges, name: str, stream: int) -> None:
+        """Checks a state saved by ``get_state`` of stream ``stream`` before it is restored:
+        positions inside the plan's deal (``ranges``), counters counts.
+
+        Raises:
+          ingest.state_check.StateInvalid: naming the field (under ``name``), its value and
+            the allowed range.
+        """
 
 
 def state_from_json(cls: type[State], d: dict[str, Any], *, version: int, kind: str | None,

@@ -40,6 +40,7 @@ import numpy as np
 from ingest.chunk import Chunk, ChunkStream, state_from_json
 from ingest.chunk_format import LAYOUT_FIELDS, new_rows
 from ingest.config import Config
+from ingest.state_check import StateInvalid, StateRanges, count, describe
 from ingest.text_stream import Stream, StreamState
 from ingest.tokenize import Tokenizer, load_tokenizer
 from ingest.units import UnitPlan
@@ -88,6 +89,36 @@ class MixtureState:
         n = len(weights)
         return cls([{"state": None, "taken": 0} for _ in range(n)], list(weights), [0] * n,
                    [0] * n, [0] * n, component_documents=[0] * n)
+
+    @classmethod
+    def check(cls, st: Any, ranges: StateRanges, name: str, stream: int) -> None:
+        """Checks a saved state (``MixedStream.get_state``) of stream ``stream``: one entry
+        per source, each component's state as its text stream checks it, counters counts.
+
+        Raises:
+          StateInvalid: naming the field, its value and the allowed range.
+        """
+        n = len(ranges.config.sources)
+        if not isinstance(st, dict) or st.get("kind") != "mixture":
+            raise StateInvalid(f"{name} is not a mixture state (the config has {n} sources)")
+        comps = st.get("components")
+        if not isinstance(comps, list) or len(comps) != n:
+            raise StateInvalid(f"{name}.components holds {describe(comps)}, not one entry per "
+                               f"source ({n})")
+        for i, comp in enumerate(comps):
+            where = f"{name}.components[{i}]"
+            if not isinstance(comp, dict):
+                raise StateInvalid(f"{where} is {describe(comp)}, not {{state, taken}}")
+            if comp.get("state") is not None:
+                StreamState.check(comp["state"], ranges, f"{where}.state", stream, i)
+            count(comp.get("taken"), f"{where}.taken")
+        for key in ("credit", "tokens", "rows", "component_documents"):
+            values = st.get(key, [0] * n)
+            if not isinstance(values, list) or len(values) not in (0, n):
+                raise StateInvalid(f"{name}.{key} holds {describe(values)}, not {n} counts")
+            for i, v in enumerate(values):
+                count(v, f"{name}.{key}[{i}]")
+        count(st.get("rows_emitted", 0), f"{name}.rows_emitted")
 
 
 @dataclasses.dataclass
@@ -140,6 +171,10 @@ class MixedStream(ChunkStream):
                 skipped_units[path] = skipped_units.get(path, 0) + n
         d["skipped"], d["skipped_units"] = skipped, skipped_units
         return d
+
+    @classmethod
+    def check_state(cls, state: Any, ranges: StateRanges, name: str, stream: int) -> None:
+        MixtureState.check(state, ranges, name, stream)
 
     def set_state(self, state: dict[str, Any] | None) -> None:
         """Restores a state from ``get_state`` (None: the start). Weights that differ from the

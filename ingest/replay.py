@@ -38,6 +38,7 @@ from ingest.config import Config
 from ingest.errors import BadInputError
 from ingest.segments import MANIFEST, content_sha256, file_sha256, read_manifest, read_segment
 from ingest.sources import FileInfo
+from ingest.state_check import StateInvalid, StateRanges, count
 from ingest.units import Unit, UnitPlan, Units
 
 __all__ = ["MaterializedPlan", "ReplayState", "ReplayStream", "build_replay_plan"]
@@ -230,6 +231,24 @@ class ReplayState:
         return state_from_json(cls, d, version=STATE_VERSION, kind="replay", what="replay stream",
                                hint="it was saved by a stream of another kind or ingest version")
 
+    @classmethod
+    def check(cls, st: Any, ranges: StateRanges, name: str, stream: int) -> None:
+        """Checks a saved state (``to_json``) of stream ``stream``: its segment and row
+        inside the stream's segments, its counters counts.
+
+        Raises:
+          StateInvalid: naming the field, its value and the allowed range.
+        """
+        if not isinstance(st, dict) or st.get("kind") != "replay":
+            raise StateInvalid(f"{name} is not a replay state (the source is materialized)")
+        ranges.epoch(st.get("epoch", 0), f"{name}.epoch")
+        segments = ranges.plan.stream_units[stream]
+        seg = count(st.get("segment", 0), f"{name}.segment", len(segments),
+                    f"the stream has {len(segments)} segment(s)")
+        rows = (int(ranges.plan.units.num_rows[segments[seg]]) if seg < len(segments) else 0)
+        count(st.get("row", 0), f"{name}.row", rows, f"segment {seg} has {rows} row(s)")
+        count(st.get("rows_emitted", 0), f"{name}.rows_emitted")
+
 
 class ReplayStream(ChunkStream):
     """Stream ``stream_id`` of a materialized directory; the interface of ``Stream``."""
@@ -250,6 +269,10 @@ class ReplayStream(ChunkStream):
     def set_state(self, state: dict[str, Any]) -> None:
         self._state = ReplayState.from_json(state)
         self._settle()
+
+    @classmethod
+    def check_state(cls, state: Any, ranges: StateRanges, name: str, stream: int) -> None:
+        ReplayState.check(state, ranges, name, stream)
 
     def _rows(self, segment: int) -> int:
         return self.plan.units[self._units[segment]].num_rows

@@ -15,15 +15,24 @@ from ingest.text_stream import Stream, StreamState
 from ingest.tokenize import Tokenizer
 from ingest.units import UnitPlan
 
-__all__ = ["Chunk", "ChunkStream", "Stream", "StreamState", "open_stream"]
+__all__ = ["Chunk", "ChunkStream", "Stream", "StreamState", "open_stream", "stream_kind"]
+
+
+def stream_kind(config: Config) -> type[ChunkStream]:
+    """The kind of stream a config's streams are: replay for a materialized source, mixture
+    for several sources, else text. Its ``check_state`` checks their saved states."""
+    if config.sources[0].kind == "materialized":
+        return ReplayStream
+    if len(config.sources) > 1:
+        return MixedStream
+    return Stream
 
 
 def open_stream(config: Config, plan: UnitPlan, stream_id: int,
                 tokenizer: Tokenizer | None = None) -> ChunkStream:
     """The stream ``stream_id`` of the config: the one constructor workers, the local backend
     and tools use, so every kind of stream (text, mixture, replay) is built the same way."""
-    if config.sources[0].kind == "materialized":
+    kind = stream_kind(config)
+    if kind is ReplayStream:
         return ReplayStream(config, plan, stream_id)
-    if len(config.sources) > 1:
-        return MixedStream(config, plan, stream_id, tokenizer)
-    return Stream(config, plan, stream_id, tokenizer)
+    return kind(config, plan, stream_id, tokenizer)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ingest.chunk import state_from_json
 from ingest.errors import BAD_REASONS, StreamError
+from ingest.state_check import StateInvalid, StateRanges, below, count, counter_map, short
 from ingest.unit_reader import UnitReader, UnitTokens
 
 __all__ = ["STATE_VERSION", "Head", "StreamState"]
@@ -75,6 +76,49 @@ class StreamState:
                                what="stream",
                                hint="it was written by another ingest version or by a stream "
                                     "of another kind")
+
+    @classmethod
+    def check(cls, st: Any, ranges: StateRanges, name: str, stream: int,
+              source: int | None = None) -> None:
+        """Checks a saved state (``to_json``) of stream ``stream`` (of ``source`` only, for a
+        mixture component) against ``ranges``: its head inside the stream's deal, its
+        counters counts.
+
+        Raises:
+          StateInvalid: naming the field, its value and the allowed range.
+        """
+        if not isinstance(st, dict):
+            raise StateInvalid(f"{name}={short(st, 60)} is not a stream state (a JSON object)")
+        if st.get("version") != STATE_VERSION:
+            raise StateInvalid(f"{name}.version={st.get('version')!r} is not {STATE_VERSION}")
+        unknown = sorted(set(st) - {f.name for f in dataclasses.fields(cls)} - {"version"})
+        if unknown:
+            raise StateInvalid(f"{name} has unknown keys {unknown}")
+        epoch = ranges.epoch(st.get("epoch", 0), f"{name}.epoch")
+        units = ranges.units(epoch, stream, source)
+        unit = below(st.get("unit", 0), f"{name}.unit", len(units),
+                     f"the stream has {len(units)} unit(s) in epoch {epoch}")
+        if len(units):
+            rows = int(ranges.plan.units.num_rows[int(units[unit])])
+            count(st.get("doc", 0), f"{name}.doc", rows,
+                  f"unit {unit} of epoch {epoch} has {rows} document(s)")
+        else:
+            count(st.get("doc", 0), f"{name}.doc", 0, "the stream has no units")
+        for key in ("offset", "batch_rows_taken", "rows_emitted", "documents",
+                    "truncated_documents", "truncated_tokens"):
+            count(st.get(key, 0), f"{name}.{key}")
+        if not isinstance(st.get("exhausted", False), bool):
+            raise StateInvalid(f"{name}.exhausted={short(st['exhausted'], 60)} is not true or "
+                               f"false")
+        counter_map(st.get("skipped", {}), f"{name}.skipped", 2)
+        counter_map(st.get("skipped_units", {}), f"{name}.skipped_units", 1)
+        poison = st.get("poison", [])
+        if not isinstance(poison, list) or not all(
+                isinstance(p, list) and len(p) == 3 and all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)
+                for p in poison):
+            raise StateInvalid(f"{name}.poison={short(poison, 60)} is not a list of "
+                               f"[epoch, unit, document] triples of counts")
 
 
 class Head:

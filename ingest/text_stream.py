@@ -13,6 +13,7 @@ from typing import Any
 from ingest.chunk import Chunk, ChunkStream
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
+from ingest.state_check import StateRanges
 from ingest.stream_head import Head, StreamState
 from ingest.stream_rows import RowBuilder
 from ingest.tokenize import Tokenizer, load_tokenizer
@@ -44,6 +45,10 @@ class Stream(ChunkStream):
     def set_state(self, state: dict[str, Any]) -> None:
         self._head = Head(self.reader, StreamState.from_json(state))
         self._rows.reset()
+
+    @classmethod
+    def check_state(cls, state: Any, ranges: StateRanges, name: str, stream: int) -> None:
+        StreamState.check(state, ranges, name, stream)
 
     def _produce(self, n_rows: int) -> Chunk:
         """Raises:
