@@ -253,7 +253,7 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
         log.warning("%d workers on %d CPUs: the local Ray cluster gets %d CPUs so that every "
                     "worker starts, and they share the cores (on the demo, 3 workers on 2 CPUs "
                     "were no faster than 2)", num_cpus, cpus, num_cpus)
-    from jax_side.private_api import init_local_ray  # noqa: PLC0415 (see the reaper)
+    from actors.private_api import init_local_ray  # noqa: PLC0415 (see the reaper)
 
     temp_dir = _make_temp_dir()
     _start_reaper(temp_dir)  # first: it must see the daemons while they are still descendants
@@ -395,7 +395,7 @@ def _pids_using(directory: str) -> list[int]:
 def _host_port(address: str) -> tuple[str, int] | None:
     """The TCP endpoint behind a Ray address, or None where it has none to check."""
     if address == "auto":
-        from jax_side.private_api import ray_auto_address  # noqa: PLC0415 (see the reaper)
+        from actors.private_api import ray_auto_address  # noqa: PLC0415 (see the reaper)
 
         address = ray_auto_address()
         if address is None:
@@ -487,7 +487,7 @@ class RayStarter:
     def _run(self, address: str | None, num_cpus: int | None) -> None:
         # ray.init warns that it cannot set its SIGTERM handler off the main thread;
         # exit_on_signals (or wait()) handles SIGTERM there.
-        from jax_side.private_api import ray_worker_logger  # noqa: PLC0415 (see the reaper)
+        from actors.private_api import ray_worker_logger  # noqa: PLC0415 (see the reaper)
 
         ray_worker_logger().addFilter(_NotMainThreadWarning())
         # Starting the cluster forks (and execs at once) Ray's daemons while JAX's threads run:

@@ -92,8 +92,8 @@ LAYERS = ("ingest", "actors", "jax_side")
 # Packages of the checkout that the product never imports (the CLI starts none of them).
 NOT_IN_PRODUCT = {"benchmarks", "tests", "examples", "cluster"}
 # Everything that may use private names of other libraries, one small adapter per layer.
-PRIVATE_API_ADAPTERS = {"jax_side/private_api.py", "benchmarks/private_api.py",
-                        "ingest/private_api.py"}
+PRIVATE_API_ADAPTERS = {"jax_side/private_api.py", "actors/private_api.py",
+                        "benchmarks/private_api.py", "ingest/private_api.py"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -384,8 +384,8 @@ def foreign_private_uses_outside_adapters() -> dict[str, list[str]]:
 
 
 def test_private_apis_of_other_libraries_are_used_only_through_the_adapters():
-    # jax_side.private_api (JAX's coordination client, Ray's address lookup, ray.init's
-    # underscore arguments), ingest.private_api (tokenizer libraries) and
+    # jax_side.private_api (JAX's coordination client), actors.private_api (Ray's address
+    # lookup, ray.init's underscore arguments), ingest.private_api (tokenizer libraries) and
     # benchmarks.private_api (a raylet's gRPC channel) hold every such use, each with a
     # public fallback.
     found = foreign_private_uses_outside_adapters()

@@ -1,4 +1,4 @@
-"""jax_side.private_api: each private use of JAX and Ray still reaches what it names in the
+"""jax_side.private_api and actors.private_api: each private use of JAX and Ray still reaches what it names in the
 pinned versions, and falls back to the public behaviour where it does not."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import importlib.util
 
 import pytest
 
-from jax_side import private_api
+from actors import private_api as ray_private
+from jax_side import private_api as jax_private
 
 
 class RecordingInit:
@@ -30,7 +31,7 @@ class RecordingInit:
 
 def test_init_local_ray_passes_the_temp_dir_and_system_config():
     init = RecordingInit(takes_private=True)
-    private_api.init_local_ray(init, temp_dir="/tmp/x", system_config={"a": 0},
+    ray_private.init_local_ray(init, temp_dir="/tmp/x", system_config={"a": 0},
                                address="local", num_cpus=2)
     assert init.calls == [{"address": "local", "num_cpus": 2, "_temp_dir": "/tmp/x",
                            "_system_config": {"a": 0}}]
@@ -38,8 +39,8 @@ def test_init_local_ray_passes_the_temp_dir_and_system_config():
 
 def test_init_local_ray_falls_back_to_the_public_arguments(caplog):
     init = RecordingInit(takes_private=False)
-    with caplog.at_level("WARNING", logger="jax_side.private_api"):
-        private_api.init_local_ray(init, temp_dir="/tmp/x", system_config={}, address="local")
+    with caplog.at_level("WARNING", logger="actors.private_api"):
+        ray_private.init_local_ray(init, temp_dir="/tmp/x", system_config={}, address="local")
     assert init.calls[-1] == {"address": "local"}
     assert "takes neither _temp_dir nor _system_config" in caplog.text
 
@@ -47,7 +48,7 @@ def test_init_local_ray_falls_back_to_the_public_arguments(caplog):
 def test_init_local_ray_reraises_other_errors():
     init = RecordingInit(takes_private=True, error="Ray has already been started")
     with pytest.raises(RuntimeError, match="already been started"):
-        private_api.init_local_ray(init, temp_dir="/tmp/x", system_config={})
+        ray_private.init_local_ray(init, temp_dir="/tmp/x", system_config={})
     assert len(init.calls) == 1
 
 
@@ -62,8 +63,8 @@ def test_ray_init_of_this_ray_takes_the_underscore_arguments():
 
 
 def test_the_ray_logger_filtered_is_a_module_of_this_ray():
-    assert importlib.util.find_spec(private_api.ray_worker_logger().name) is not None
+    assert importlib.util.find_spec(ray_private.ray_worker_logger().name) is not None
 
 
 def test_no_coordination_client_without_joining():
-    assert private_api.coordination_client() is None
+    assert jax_private.coordination_client() is None
