@@ -31,9 +31,11 @@ gets work), each read by one stream in row order, so that a group is decoded onc
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import os
@@ -44,9 +46,11 @@ from typing import Any
 import numpy as np
 
 from ingest import spill
+from ingest.cache import read_entries, write_entries
 from ingest.config import Config
 from ingest.errors import BadInputError
-from ingest.paths import list_files
+from ingest.jsonl import GROUP_BYTES
+from ingest.paths import FileStamp, list_files, local_stamp
 from ingest.replay import build_replay_plan
 from ingest.sources import LARGE_GROUP_BYTES, FileInfo, describe_file, describe_table
 from ingest.units import UNIT_FIELDS as _UNIT_FIELDS
@@ -132,6 +136,7 @@ def _described_files(config: Config
     skipped: list[tuple[str, str, str]] = []
     missing: list[str] = []
     jobs: list[tuple[int, str | FileInfo]] = []  # (source, path or an in-memory table's info)
+    stamps: dict[str, FileStamp] = {}  # what the listings say of remote files
     for si, src in enumerate(config.sources):
         if src.table is not None:
             jobs.append((si, describe_table(f"memory:sources[{si}]", src.table, src.column,
@@ -140,7 +145,7 @@ def _described_files(config: Config
             continue
         unreadable: list[tuple[str, str]] = []
         try:
-            jobs.extend((si, p) for p in list_files(src.paths, src.format, unreadable))
+            jobs.extend((si, p) for p in list_files(src.paths, src.format, unreadable, stamps))
         except FileNotFoundError as e:
             missing.append(f"sources[{si}]: {e}")
         for path, why in unreadable:
@@ -154,7 +159,7 @@ def _described_files(config: Config
     if missing:
         raise FileNotFoundError("\n".join(missing))
     # _describe_all stops at the first error raised here, so it may be the shorter.
-    for (si, p), info in zip(jobs, _describe_all(config, jobs), strict=False):
+    for (si, p), info in zip(jobs, _describe_all(config, jobs, stamps), strict=False):
         if isinstance(info, BadInputError):
             if _skipped(config, info):
                 skipped.append((p, info.reason, str(info)))
@@ -279,43 +284,127 @@ def _cut_units(files: list[FileInfo], file_source: list[int],
     return Units(*(np.concatenate(x) for x in (source, file, group, start, end, nbytes)))
 
 
+# Describing a local file is work for the CPUs (a footer parse, a JSONL scan); on an object
+# store it is mostly waiting for a round trip or two, so many more requests are kept in flight
+# there (each thread holds at most a file's two 64 KiB ends and its footer).
 _DESCRIBE_THREADS = 16
+_REMOTE_DESCRIBE_THREADS = 64
 _PROGRESS_EVERY_S = 10.0
+# A file's description is kept for later plans (ingest.cache) under its path and stamp
+# (``FileStamp``: size, and ETag or modification time). A time identifies the content only
+# once it is older than the clock's resolution (a second on S3) plus the skew between this
+# machine's clock and the store's: files changed less than this before the plan are
+# described again by the next one.
+_SETTLE_S = 60.0
+_CACHE_KIND = "plan-files"
 
 
-def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]]
-                  ) -> list[FileInfo | BadInputError]:
+def _cache_name(config: Config, si: int) -> str:
+    """The name of source ``si``'s kept descriptions: they depend on its paths, format and
+    column, and on how ``describe_file`` describes (JSONL's group size)."""
+    src = config.sources[si]
+    blob = json.dumps(["describe-1", GROUP_BYTES, list(src.paths), src.format, src.column,
+                       src.tokens_column is not None])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]],
+                  stamps: dict[str, FileStamp]) -> list[FileInfo | BadInputError]:
     """Each job's FileInfo (or its BadInputError), in order, up to the first error that is
-    not skipped. Files are read by a pool of threads, since each costs round trips on object
-    stores (Parquet and IPC footers) or a whole read (JSONL). Logs progress on long plans.
+    not skipped.
+
+    A file whose stamp (from its listing, or ``local_stamp``) is what an earlier plan
+    described it under gets that plan's FileInfo without a read. The others are read by a
+    pool of threads, a bounded number of files ahead, since each costs round trips on object
+    stores (Parquet and IPC footers) or a whole read (JSONL); their descriptions are kept for
+    the next plan. Logs progress on long plans.
     """
-    def describe(job: tuple[int, str | FileInfo]) -> FileInfo | BadInputError:
-        si, p = job
+    now = time.time()
+    out: list[FileInfo | BadInputError | None] = [None] * len(jobs)
+    kept: dict[int, dict] = {}  # by source: what earlier plans kept, {path: (size, version, info)}
+    fresh: dict[int, dict] = {}  # by source: what this plan keeps
+    stamp_of: dict[int, FileStamp] = {}
+    unversioned: dict[int, str] = {}  # by source: a file whose store gives no version
+    todo: list[int] = []
+    hits = 0
+    for i, (si, p) in enumerate(jobs):
         if isinstance(p, FileInfo):
-            return p
+            out[i] = p
+            continue
+        stamp = stamps.get(p) or local_stamp(p)
+        if stamp is None or stamp.version is None:
+            unversioned.setdefault(si, p)
+        elif stamp.settled(now, _SETTLE_S):
+            stamp_of[i] = stamp
+            if si not in kept:
+                kept[si] = read_entries(_CACHE_KIND, _cache_name(config, si))
+                fresh[si] = {}
+            hit = kept[si].get(p)
+            if hit is not None and hit[:2] == (stamp.size, stamp.version):
+                out[i] = hit[2]
+                fresh[si][p] = hit
+                hits += 1
+                continue
+        if stamp is not None:
+            stamp_of.setdefault(i, stamp)
+        todo.append(i)
+    for si, p in sorted(unversioned.items()):
+        log.info("planning: sources[%d]: the store gives neither a modification time nor an "
+                 "ETag or version for its files (e.g. %s), so nothing tells that one is "
+                 "unchanged: their metadata is read by every plan, never cached", si, p)
+
+    added: set[int] = set()  # sources with descriptions to keep that were not kept
+
+    def describe(i: int) -> FileInfo | BadInputError:
+        si, p = jobs[i]
         src = config.sources[si]
+        stamp = stamp_of.get(i)
         try:
-            return describe_file(p, src.format, src.column, tokens=src.tokens_column is not None)
+            info = describe_file(p, src.format, src.column, tokens=src.tokens_column is not None,
+                                 size=None if stamp is None else stamp.size)
         except BadInputError as e:
             return e
+        if si in fresh and stamp is not None and stamp.settled(now, _SETTLE_S):
+            fresh[si][p] = (stamp.size, stamp.version, info)
+            added.add(si)
+        return info
 
-    out: list[FileInfo | BadInputError] = []
+    remote = any(isinstance(p, str) and "://" in p and not p.startswith("file://")
+                 for _, p in jobs)
+    threads = max(1, min(_REMOTE_DESCRIBE_THREADS if remote else _DESCRIBE_THREADS, len(todo)))
     start = last = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(_DESCRIBE_THREADS, len(jobs))),
-                                               thread_name_prefix="ingest-plan") as pool:
-        for future in [pool.submit(describe, job) for job in jobs]:
-            out.append(info := future.result())
+    stop = len(jobs)
+    read = 0
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ingest-plan") as pool:
+        ahead = iter(todo)
+        window = collections.deque((i, pool.submit(describe, i))
+                                   for i in itertools.islice(ahead, 4 * threads))
+        while window:
+            i, future = window.popleft()
+            out[i] = info = future.result()
+            read += 1
             if isinstance(info, BadInputError) and not _skipped(config, info):
+                stop = i + 1
                 pool.shutdown(cancel_futures=True)  # this error ends the plan
                 break
+            if (j := next(ahead, None)) is not None:
+                window.append((j, pool.submit(describe, j)))
             if time.monotonic() - last > _PROGRESS_EVERY_S:
                 last = time.monotonic()
-                log.info("planning: read the metadata of %d of %d files (%.0f s)", len(out),
-                         len(jobs), last - start)
-    if last > start:
-        log.info("planning: read the metadata of %d files in %.1f s", len(jobs),
-                 time.monotonic() - start)
-    return out
+                rate = read / (last - start)
+                log.info("planning: read the metadata of %d of %d files (%d more from the "
+                         "cache of an earlier plan), %.0f files/s, about %.0f s left", read,
+                         len(todo), hits, rate, (len(todo) - read) / rate)
+    for si, entries in fresh.items():
+        if stop < len(jobs):
+            entries = {**kept[si], **entries}  # keep what this plan did not get to
+        if si in added or len(entries) != len(kept[si]):
+            write_entries(_CACHE_KIND, _cache_name(config, si), entries)
+    if last > start or hits:
+        log.info("planning: the metadata of %d files in %.1f s: %d read, %d from the cache of "
+                 "an earlier plan (size and version unchanged)", len(jobs),
+                 time.monotonic() - start, read, hits)
+    return out[:stop]
 
 
 def _skipped(config: Config, error: BadInputError) -> bool:
