@@ -10,6 +10,7 @@ follow the shell's rules on every filesystem alike.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import datetime
 import email.utils
@@ -259,10 +260,7 @@ def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
     if (ffs := _fsspec_of(fs)) is not None:
         # fsspec's own listing, whose entries keep what the bridge into Arrow drops: ETags,
         # generations, content hashes.
-        try:
-            entries = ffs.find(root, withdirs=False, detail=True)
-        except FileNotFoundError:
-            entries = {}
+        entries = _fsspec_find(ffs, root)
         below = root.rstrip("/") + "/"
         out = [p for p, e in entries.items() if e.get("type") == "file"
                and p.startswith(below)]
@@ -274,6 +272,29 @@ def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
     if stamps is not None:
         stamps.update((i.path, _arrow_stamp(i)) for i in out if i.size is not None)
     return [i.path for i in out]
+
+
+# Folders listed at once: a listing is a sequence of pages, each a round trip, so a corpus
+# spread over folders is listed in about the time of its largest folder.
+_LIST_THREADS = 16
+
+
+def _fsspec_find(ffs, root: str) -> dict[str, dict]:
+    """Every file below ``root`` of fsspec filesystem ``ffs``, with its listing entry: the
+    folders right below ``root`` are listed by threads at once (as Arrow's S3 listing does),
+    since a store lists a folder a page of keys after another."""
+    try:
+        top = ffs.ls(root, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {e["name"]: e for e in top if e.get("type") != "directory"}
+    folders = [e["name"] for e in top if e.get("type") == "directory"]
+    if folders:
+        with concurrent.futures.ThreadPoolExecutor(min(_LIST_THREADS, len(folders)),
+                                                   thread_name_prefix="ingest-list") as pool:
+            for found in pool.map(lambda d: ffs.find(d, withdirs=False, detail=True), folders):
+                out.update(found)
+    return out
 
 
 def _file_type(fs: pafs.FileSystem, path: str,
@@ -325,8 +346,8 @@ class FileStamp:
 
 # Keys of fsspec listing entries that change with the content: S3/Azure ETags, GCS
 # generations and hashes, the Hugging Face Hub's git blob ids, object version ids.
-_CONTENT_KEYS = ("ETag", "etag", "generation", "md5Hash", "crc32c", "blob_id", "VersionId",
-                 "version_id")
+_CONTENT_KEYS = frozenset(("ETag", "etag", "generation", "md5Hash", "crc32c", "blob_id",
+                           "VersionId", "version_id"))
 # ... and keys that hold a modification time (fsspec's local and GCS, s3fs, adlfs).
 _TIME_KEYS = ("mtime", "LastModified", "last_modified", "updated")
 
@@ -336,7 +357,8 @@ def _fsspec_stamp(entry: dict) -> FileStamp | None:
     size = entry.get("size")
     if not isinstance(size, int):
         return None
-    content = [f"{k}={entry[k]}" for k in _CONTENT_KEYS if entry.get(k) not in (None, "")]
+    content = [f"{k}={entry[k]}" for k in sorted(_CONTENT_KEYS.intersection(entry))
+               if entry[k] not in (None, "")]
     if content:
         return FileStamp(size=size, version=" ".join(content))
     for k in _TIME_KEYS:
@@ -479,7 +501,7 @@ def _no_dataset_dict(fs: pafs.FileSystem, given: str, base: str, listed: list[st
     """Refuses a folder that holds a ``DatasetDict`` (``dataset_dict.json``, written by
     ``datasets``' ``save_to_disk``): read whole, its splits would be pooled, and a model
     would train on its validation split. The user names one split's folder instead."""
-    for f in sorted(listed):
+    for f in sorted(f for f in listed if f.endswith("dataset_dict.json")):
         if os.path.basename(f) != "dataset_dict.json":
             continue
         folder = f[:-len("dataset_dict.json")].rstrip("/")
@@ -533,8 +555,9 @@ def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
         hits = [f for f in listed if not _hidden(f) and format_of(f, fmt) is not None]
         hits, orders = _saved_datasets(fs, listed, hits)
         if is_uri:
-            stamps.update((_uri(p, base, f), under[f]) for f in hits if f in under)
-            hits = [_uri(p, base, f) for f in hits]
+            uris = [_uri(p, base, f) for f in hits]
+            stamps.update((u, under[f]) for u, f in zip(uris, hits, strict=True) if f in under)
+            hits = uris
             orders = [[_uri(p, base, f) for f in o] for o in orders]
         ordered.extend(orders)
         (found.extend(hits) if hits else missing.append(
@@ -603,7 +626,8 @@ def _saved_datasets(fs: pafs.FileSystem, listed: list[str], hits: list[str]
     ``datasets``' ``save_to_disk``) keeps only the files it names, and each such folder's
     files in its order."""
     out, ordered = hits, []
-    for state in sorted(f for f in listed if os.path.basename(f) == "state.json"):
+    for state in sorted(f for f in listed
+                        if f.endswith("state.json") and os.path.basename(f) == "state.json"):
         folder = state[:-len("state.json")]
         try:
             with fs.open_input_stream(state) as f:

@@ -114,9 +114,10 @@ def build_plan(config: Config) -> UnitPlan:
             + ([[s.tokens_column for s in config.sources]]
                if any(s.tokens_column for s in config.sources) else []))
 
+    described = [(f.format, f.size, list(f.row_groups), f.content_key) for f in files]
+
     def digest(paths: list[str]) -> str:
-        blob = json.dumps([[p, f.format, f.size, list(f.row_groups), f.content_key]
-                           for p, f in zip(paths, files, strict=True)] + rest)
+        blob = json.dumps([[p, *d] for p, d in zip(paths, described, strict=True)] + rest)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     return UnitPlan(files=tuple(files),
@@ -258,30 +259,35 @@ def _cut_units(files: list[FileInfo], file_source: list[int],
     """Every row group of ``n`` rows cut into ``ceil(n / unit_rows)`` near-equal units, in file
     and group order; a unit's bytes are its share of its group's, at least 1. ``unit_rows``
     may differ per source (a dict by source index)."""
-    source, file, group, start, end, nbytes = [], [], [], [], [], []
-    for fi, info in enumerate(files):
-        rows = np.asarray(info.row_groups, np.int64)
-        if not len(rows):
-            continue
-        group_bytes = np.asarray(info.group_bytes, np.int64)
-        size = unit_rows if isinstance(unit_rows, int) else unit_rows[file_source[fi]]
-        parts = -(-rows // size)
-        gs = np.repeat(np.arange(len(rows)), parts)
-        # Part j of a group of n rows in p parts starts at round(j * n / p) (np.linspace's
-        # points, rounded half to even), so the bounds are the same as cutting each group alone.
-        j = np.arange(len(gs)) - np.repeat(np.cumsum(parts) - parts, parts)
-        n, p = rows[gs], parts[gs]
-        a = np.round(j * (n / p)).astype(np.int64)
-        b = np.where(j + 1 == p, n, np.round((j + 1) * (n / p)).astype(np.int64))
-        file.append(np.full(len(gs), fi, np.int32))
-        source.append(np.full(len(gs), file_source[fi], np.int32))
-        group.append(gs.astype(np.int32))
-        start.append(a)
-        end.append(b)
-        nbytes.append(np.maximum(1, group_bytes[gs] * (b - a) // np.maximum(n, 1)))
-    if not file:
+    counts = np.fromiter((len(info.row_groups) for info in files), np.int64, len(files))
+    if not counts.sum():
         return Units(*([] for _ in _UNIT_FIELDS))
-    return Units(*(np.concatenate(x) for x in (source, file, group, start, end, nbytes)))
+    rows = np.fromiter(itertools.chain.from_iterable(info.row_groups for info in files),
+                       np.int64, int(counts.sum()))
+    group_bytes = np.fromiter(itertools.chain.from_iterable(info.group_bytes for info in files),
+                              np.int64, len(rows))
+    # Every row group of every file at once: its file, source and index in its file.
+    file_of = np.repeat(np.arange(len(files)), counts)
+    source_of = np.asarray(file_source, np.int64)[file_of]
+    index_of = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    if isinstance(unit_rows, int):
+        size: int | np.ndarray = unit_rows
+    else:
+        by_source = np.zeros(int(source_of.max()) + 1, np.int64)
+        for si in np.unique(source_of).tolist():
+            by_source[si] = unit_rows[si]
+        size = by_source[source_of]
+    parts = -(-rows // size)
+    gs = np.repeat(np.arange(len(rows)), parts)
+    # Part j of a group of n rows in p parts starts at round(j * n / p) (np.linspace's
+    # points, rounded half to even), so the bounds are the same as cutting each group alone.
+    j = np.arange(len(gs)) - np.repeat(np.cumsum(parts) - parts, parts)
+    n, p = rows[gs], parts[gs]
+    a = np.round(j * (n / p)).astype(np.int64)
+    b = np.where(j + 1 == p, n, np.round((j + 1) * (n / p)).astype(np.int64))
+    return Units(source_of[gs].astype(np.int32), file_of[gs].astype(np.int32),
+                 index_of[gs].astype(np.int32), a, b,
+                 np.maximum(1, group_bytes[gs] * (b - a) // np.maximum(n, 1)))
 
 
 # Describing a local file is work for the CPUs (a footer parse, a JSONL scan); on an object
@@ -303,7 +309,7 @@ def _cache_name(config: Config, si: int) -> str:
     """The name of source ``si``'s kept descriptions: they depend on its paths, format and
     column, and on how ``describe_file`` describes (JSONL's group size)."""
     src = config.sources[si]
-    blob = json.dumps(["describe-1", GROUP_BYTES, list(src.paths), src.format, src.column,
+    blob = json.dumps(["describe-2", GROUP_BYTES, list(src.paths), src.format, src.column,
                        src.tokens_column is not None])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -321,7 +327,9 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]],
     """
     now = time.time()
     out: list[FileInfo | BadInputError | None] = [None] * len(jobs)
-    kept: dict[int, dict] = {}  # by source: what earlier plans kept, {path: (size, version, info)}
+    # By source, what earlier plans kept: {path: (size, version, and FileInfo's format,
+    # row_groups, group_bytes, content_key, group_offsets)}, plain values (fast to load).
+    kept: dict[int, dict] = {}
     fresh: dict[int, dict] = {}  # by source: what this plan keeps
     stamp_of: dict[int, FileStamp] = {}
     unversioned: dict[int, str] = {}  # by source: a file whose store gives no version
@@ -340,8 +348,9 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]],
                 kept[si] = read_entries(_CACHE_KIND, _cache_name(config, si))
                 fresh[si] = {}
             hit = kept[si].get(p)
-            if hit is not None and hit[:2] == (stamp.size, stamp.version):
-                out[i] = hit[2]
+            if hit is not None and hit[0] == stamp.size and hit[1] == stamp.version:
+                out[i] = FileInfo(path=p, format=hit[2], size=stamp.size, row_groups=hit[3],
+                                  group_bytes=hit[4], content_key=hit[5], group_offsets=hit[6])
                 fresh[si][p] = hit
                 hits += 1
                 continue
@@ -365,7 +374,8 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]],
         except BadInputError as e:
             return e
         if si in fresh and stamp is not None and stamp.settled(now, _SETTLE_S):
-            fresh[si][p] = (stamp.size, stamp.version, info)
+            fresh[si][p] = (stamp.size, stamp.version, info.format, info.row_groups,
+                            info.group_bytes, info.content_key, info.group_offsets)
             added.add(si)
         return info
 
