@@ -411,8 +411,8 @@ def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]],
         if si in added or len(entries) != len(kept[si]):
             write_entries(_CACHE_KIND, _cache_name(config, si), entries)
     if last > start or hits:
-        log.info("planning: the metadata of %d files in %.1f s: %d read, %d from the cache of "
-                 "an earlier plan (size and version unchanged)", len(jobs),
+        log.info("planning: read the metadata of %d files in %.1f s: %d from the files, %d "
+                 "from the cache of an earlier plan (size and version unchanged)", len(jobs),
                  time.monotonic() - start, read, hits)
     return out[:stop]
 
