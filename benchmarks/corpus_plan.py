@@ -57,6 +57,11 @@ class SlowFileSystem(AbstractFileSystem):
         if cls.latency_s:
             time.sleep(cls.latency_s * n)
 
+    def _local(self, path: str) -> str:
+        """The local path of ``slowfs:///abs/path`` (or of ``/abs/path``)."""
+        path = path.removeprefix(f"{self.protocol}://")
+        return path.rstrip("/") or "/"
+
     def _entry(self, path: str, st: os.stat_result, is_dir: bool) -> dict[str, Any]:
         out = {"name": path, "size": 0 if is_dir else st.st_size,
                "type": "directory" if is_dir else "file"}
@@ -65,13 +70,13 @@ class SlowFileSystem(AbstractFileSystem):
         return out
 
     def info(self, path: str, **kwargs) -> dict[str, Any]:
-        path = self._strip_protocol(path)
+        path = self._local(path)
         self._request("info")
         st = os.stat(path)  # FileNotFoundError as a store's 404
         return self._entry(path, st, os.path.isdir(path))
 
     def ls(self, path: str, detail: bool = True, **kwargs):
-        path = self._strip_protocol(path)
+        path = self._local(path)
         names = sorted(os.listdir(path))
         self._request("list", max(1, math.ceil(len(names) / self.page)))
         out = [self._entry(p, os.stat(p), os.path.isdir(p))
@@ -82,7 +87,7 @@ class SlowFileSystem(AbstractFileSystem):
              detail: bool = False, **kwargs):
         """A flat listing of every key below ``path``, paged (a store lists keys, not
         folders: ``withdirs`` adds the folders the keys imply, as s3fs does)."""
-        path = self._strip_protocol(path)
+        path = self._local(path)
         out: dict[str, dict[str, Any]] = {}
         if os.path.isfile(path):
             self._request("list")
@@ -106,7 +111,7 @@ class SlowFileSystem(AbstractFileSystem):
     def cat_file(self, path: str, start: int | None = None, end: int | None = None,
                  **kwargs) -> bytes:
         """One ranged GET."""
-        path = self._strip_protocol(path)
+        path = self._local(path)
         self._request("read")
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -119,7 +124,7 @@ class SlowFileSystem(AbstractFileSystem):
               cache_options=None, **kwargs):
         if mode != "rb":
             raise NotImplementedError(f"{PROTOCOL}:// is read-only; mode={mode!r}")
-        return _SlowFile(self, self._strip_protocol(path), mode, block_size, autocommit,
+        return _SlowFile(self, self._local(path), mode, block_size, autocommit,
                          cache_options=cache_options, **kwargs)
 
 

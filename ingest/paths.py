@@ -382,7 +382,7 @@ def _seconds(value) -> float | None:
                 return None
     if isinstance(value, datetime.datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=datetime.timezone.utc)
+            value = value.replace(tzinfo=datetime.UTC)
         return value.timestamp()
     return None
 
