@@ -251,16 +251,18 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
                  unreadable: list[tuple[str, str]] | None = None,
-                 stamps: dict[str, FileStamp] | None = None) -> list[str]:
+                 stamps: dict[str, FileStamp] | None = None,
+                 answered: threading.Event | None = None) -> list[str]:
     """Every file below folder ``root`` of ``fs``; a local one walked by ``_walk_local``
     (``depth``: at most so many folders down; ``unreadable``: see there). A remote file's
-    stamp, as its listing gives it, goes to ``stamps`` (by its path on ``fs``)."""
+    stamp, as its listing gives it, goes to ``stamps`` (by its path on ``fs``); ``answered``
+    is set once the storage has answered a request."""
     if is_local(fs):
         return _walk_local(root, depth, unreadable)
     if (ffs := _fsspec_of(fs)) is not None:
         # fsspec's own listing, whose entries keep what the bridge into Arrow drops: ETags,
         # generations, content hashes.
-        entries = _fsspec_find(ffs, root)
+        entries = _fsspec_find(ffs, root, answered)
         below = root.rstrip("/") + "/"
         out = [p for p, e in entries.items() if e.get("type") == "file"
                and p.startswith(below)]
@@ -279,14 +281,17 @@ def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
 _LIST_THREADS = 16
 
 
-def _fsspec_find(ffs, root: str) -> dict[str, dict]:
+def _fsspec_find(ffs, root: str, answered: threading.Event | None = None) -> dict[str, dict]:
     """Every file below ``root`` of fsspec filesystem ``ffs``, with its listing entry: the
     folders right below ``root`` are listed by threads at once (as Arrow's S3 listing does),
-    since a store lists a folder a page of keys after another."""
+    since a store lists a folder a page of keys after another. Sets ``answered`` once the
+    first listing has come."""
     try:
         top = ffs.ls(root, detail=True)
     except FileNotFoundError:
         return {}
+    if answered is not None:
+        answered.set()
     out = {e["name"]: e for e in top if e.get("type") != "directory"}
     folders = [e["name"] for e in top if e.get("type") == "directory"]
     if folders:
@@ -470,8 +475,8 @@ def list_files(paths: tuple[str, ...], fmt: str | None = None,
     stamps = {} if stamps is None else stamps
     for p in paths:
         if "://" in p and not p.startswith(("file://", "memory://")):
-            _remote_listing(p, lambda p=p: _list_one(p, fmt, found, missing, ordered, problems,
-                                                     stamps))
+            _remote_listing(p, lambda answered, p=p: _list_one(
+                p, fmt, found, missing, ordered, problems, stamps, answered))
         else:
             _list_one(p, fmt, found, missing, ordered, problems, stamps)
     problems = [(f, why) for f, why in dict.fromkeys(problems) if not _hidden(f)
@@ -521,8 +526,9 @@ def _no_dataset_dict(fs: pafs.FileSystem, given: str, base: str, listed: list[st
 
 def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
               ordered: list[list[str]], problems: list[tuple[str, str]],
-              stamps: dict[str, FileStamp]) -> None:
-    """``list_files`` of one path, into its lists."""
+              stamps: dict[str, FileStamp], answered: threading.Event | None = None) -> None:
+    """``list_files`` of one path, into its lists; sets ``answered`` once the storage has
+    answered a request."""
     fs, base = filesystem(p)
     is_uri = "://" in p
     under: dict[str, FileStamp] = {}  # stamps by the path on ``fs``
@@ -531,7 +537,8 @@ def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
         given = _split_glob(p)[0] if is_uri else p
         pattern = _glob_regex(rest)
         depth = None if "**" in rest.split("/") else rest.count("/")
-        walked = _files_under(fs, root if is_uri else (root or "."), depth, problems, under)
+        walked = _files_under(fs, root if is_uri else (root or "."), depth, problems, under,
+                              answered)
         hits = []
         for f in walked:
             rel = f[len(root) + 1:] if root else f.removeprefix("./")
@@ -545,6 +552,8 @@ def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
                                             "asked: unset it" if offline else "") + ")"))
         return
     kind = _file_type(fs, base, under)
+    if answered is not None:
+        answered.set()
     if kind == pafs.FileType.File:
         found.append(p)
         if base in under:
@@ -566,28 +575,33 @@ def _list_one(p: str, fmt: str | None, found: list[str], missing: list[str],
         missing.append(p)
 
 
-# A remote listing that gets no answer (no network: a gs:// listing retries for minutes) ends
-# after this many seconds, in an error naming the URI.
+# A remote listing whose storage gives no first answer (no network: a gs:// listing retries
+# for minutes) ends after this many seconds, in an error naming the URI. Once the storage
+# answers, the listing takes as long as its pages do (a million keys are a thousand pages).
 REMOTE_TIMEOUT_S = float(os.environ.get("INGEST_REMOTE_TIMEOUT_S", "20"))
 
 
 def _remote_listing(uri: str, list_it) -> None:
-    """Runs ``list_it`` (the listing of ``uri``) in a daemon thread, waiting at most
-    ``REMOTE_TIMEOUT_S`` (interruptibly): a filesystem that blocks is left behind rather than
-    waited for. Its errors become one line naming the URI, the cause and the fix."""
+    """Runs ``list_it(answered)`` (the listing of ``uri``, which sets the event ``answered``
+    once the storage has answered a first request) in a daemon thread, waiting at most
+    ``REMOTE_TIMEOUT_S`` for that answer (interruptibly): a filesystem that blocks is left
+    behind rather than waited for. Its errors become one line naming the URI, the cause and
+    the fix."""
     done = threading.Event()
+    answered = threading.Event()
     out: list[BaseException] = []
 
     def run() -> None:
         try:
-            list_it()
+            list_it(answered)
         except BaseException as e:  # noqa: BLE001  (handed to the caller)
             out.append(e)
         finally:
+            answered.set()
             done.set()
 
     threading.Thread(target=run, name=f"list {uri}", daemon=True).start()
-    if not done.wait(REMOTE_TIMEOUT_S):
+    if not answered.wait(REMOTE_TIMEOUT_S) or not done.wait():
         raise FileNotFoundError(
             f"{uri}: no answer from its storage in {REMOTE_TIMEOUT_S:g} s (offline, or the "
             f"network blocks its endpoint); check the network and the URI, or raise "

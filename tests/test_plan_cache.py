@@ -167,3 +167,19 @@ def test_parallel_descriptions_keep_the_plan_in_path_order(tmp_path):
         os.utime(data / f"part-{i:02d}.parquet", (HOUR_AGO, HOUR_AGO))
     with pytest.raises(BadInputError, match="part-20"):
         build_plan(make_config([f"slowfsrev://{data}"]))
+
+
+def test_the_remote_timeout_bounds_the_first_answer_not_a_long_listing(tmp_path, store,
+                                                                      monkeypatch):
+    from ingest import paths
+
+    for i in range(8):
+        _parquet(tmp_path / "data" / "sub" / f"part-{i}.parquet", [f"document {i}"])
+    monkeypatch.setattr(paths, "REMOTE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(SlowFileSystem, "page", 1)  # 8 pages in turn: longer than the timeout
+    monkeypatch.setattr(SlowFileSystem, "latency_s", 0.1)
+    listed = paths.list_files((f"slowfs://{tmp_path}/data",))
+    assert len(listed) == 8 and store.requests["list"] == 9
+    monkeypatch.setattr(SlowFileSystem, "latency_s", 1.0)  # no first answer in time
+    with pytest.raises(FileNotFoundError, match="no answer from its storage in 0.3 s"):
+        paths.list_files((f"slowfs://{tmp_path}/data",))
