@@ -277,15 +277,19 @@ def _files_under(fs: pafs.FileSystem, root: str, depth: int | None = None,
 
 
 # Folders listed at once: a listing is a sequence of pages, each a round trip, so a corpus
-# spread over folders is listed in about the time of its largest folder.
+# spread over folders is listed in about the time of its largest folder. Each folder costs a
+# request at least, so past _LIST_FOLDERS folders (many small ones) a flat listing, a page per
+# 1,000 keys, takes fewer requests and stays under stores' request-rate limits.
 _LIST_THREADS = 16
+_LIST_FOLDERS = 256
 
 
 def _fsspec_find(ffs, root: str, answered: threading.Event | None = None) -> dict[str, dict]:
     """Every file below ``root`` of fsspec filesystem ``ffs``, with its listing entry: the
     folders right below ``root`` are listed by threads at once (as Arrow's S3 listing does),
-    since a store lists a folder a page of keys after another. Sets ``answered`` once the
-    first listing has come."""
+    since a store lists a folder a page of keys after another (at most ``_LIST_FOLDERS``
+    folders: past that, one flat listing). Sets ``answered`` once the first listing has
+    come."""
     try:
         top = ffs.ls(root, detail=True)
     except FileNotFoundError:
@@ -294,6 +298,8 @@ def _fsspec_find(ffs, root: str, answered: threading.Event | None = None) -> dic
         answered.set()
     out = {e["name"]: e for e in top if e.get("type") != "directory"}
     folders = [e["name"] for e in top if e.get("type") == "directory"]
+    if len(folders) > _LIST_FOLDERS:
+        return ffs.find(root, withdirs=False, detail=True)
     if folders:
         with concurrent.futures.ThreadPoolExecutor(min(_LIST_THREADS, len(folders)),
                                                    thread_name_prefix="ingest-list") as pool:

@@ -183,3 +183,22 @@ def test_the_remote_timeout_bounds_the_first_answer_not_a_long_listing(tmp_path,
     monkeypatch.setattr(SlowFileSystem, "latency_s", 1.0)  # no first answer in time
     with pytest.raises(FileNotFoundError, match="no answer from its storage in 0.3 s"):
         paths.list_files((f"slowfs://{tmp_path}/data",))
+
+
+@pytest.mark.parametrize("folders_at_once", [16, 2])
+def test_a_listing_by_folders_finds_what_a_flat_one_does(tmp_path, store, monkeypatch,
+                                                         folders_at_once):
+    from ingest import paths
+
+    monkeypatch.setattr(paths, "_LIST_FOLDERS", folders_at_once)  # 2: a flat listing
+    for i in range(9):
+        _parquet(tmp_path / "data" / f"f{i % 3}" / ("deep" if i % 2 else "") / f"p{i}.parquet",
+                 [f"document {i}"])
+    _parquet(tmp_path / "data" / "top.parquet", ["top"])
+    stamps: dict = {}
+    listed = paths.list_files((f"slowfs://{tmp_path}/data",), stamps=stamps)
+    local = paths.list_files((str(tmp_path / "data"),))
+    assert [p.split("/data/", 1)[1] for p in listed] == \
+        [p.split("/data/", 1)[1] for p in local]
+    assert set(stamps) == set(listed)
+    assert {s.size for s in stamps.values()} == {os.path.getsize(p) for p in local}
