@@ -1,4 +1,5 @@
-"""This machine's cache folder for derived files: the demo corpus, parsed tokenizer vocabularies.
+"""This machine's cache folder for derived files: the demo corpus, parsed tokenizer vocabularies,
+the plan's file metadata.
 
 Everything here can be rebuilt from its inputs; a cache that cannot be read or written is
 skipped, never an error.
@@ -16,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["cache_root", "cached_by_files", "made_once", "write_atomically"]
+__all__ = ["cache_root", "cached_by_files", "made_once", "read_entries", "write_entries",
+           "write_atomically"]
 
 log = logging.getLogger("ingest.cache")
 
@@ -33,8 +35,8 @@ def cached_by_files(kind: str, files: list[str], build: Callable[[], Any], *,
     paths, sizes and modification times. ``what`` names the value in the line logged when
     it is built (``made_once``).
 
-    For values that take long to derive from small files (GPT-2's BPE ranks: 0.26 s to parse
-    per process, 0.01 s to unpickle), read once by every worker process of every run.
+    For values that take long to derive from small files (GPT-2's BPE ranks), read once by
+    every worker process of every run.
     """
     try:
         stats = [(os.path.abspath(f), st.st_size, st.st_mtime_ns)
@@ -60,6 +62,43 @@ def cached_by_files(kind: str, files: list[str], build: Callable[[], Any], *,
     with contextlib.suppress(OSError), made_once(what or kind, os.path.dirname(path), since=t0):
         write_atomically(path, dump)
     return value
+
+
+def _entries_path(kind: str, name: str) -> str:
+    return os.path.join(cache_root(), kind, f"{name}.pkl")
+
+
+def read_entries(kind: str, name: str) -> dict:
+    """The dict last kept by ``write_entries(kind, name, ...)``; empty if there is none (a
+    damaged one is ignored with a warning). The caller checks that each entry still holds."""
+    path = _entries_path(kind, name)
+    try:
+        with open(path, "rb") as f:
+            out = pickle.load(f)
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # noqa: BLE001 -- a damaged cache file is rebuilt
+        log.warning("ignoring the unreadable cache file %s (%s: %s)", path, type(e).__name__, e)
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def write_entries(kind: str, name: str, entries: dict) -> str | None:
+    """Keeps ``entries`` for ``read_entries`` (replacing what was kept, atomically: processes
+    that write at once leave one whole dict); returns where, or None where the cache folder
+    cannot be written."""
+    path = _entries_path(kind, name)
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            pickle.dump(entries, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    try:
+        write_atomically(path, dump)
+    except OSError as e:
+        log.info("cannot keep %s for later runs (%s)", path, e)
+        return None
+    return path
 
 
 @contextlib.contextmanager

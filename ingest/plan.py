@@ -11,8 +11,10 @@ checkpoint. ``ingest.deal`` deals the units to streams, each epoch::
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -22,9 +24,11 @@ from typing import Any
 import numpy as np
 
 from ingest import spill
+from ingest.cache import read_entries, write_entries
 from ingest.config import Config
 from ingest.errors import BadInputError
-from ingest.paths import list_files
+from ingest.jsonl import GROUP_BYTES
+from ingest.paths import FileStamp, list_files, local_stamp
 from ingest.replay import build_replay_plan
 from ingest.sources import LARGE_GROUP_BYTES, FileInfo, describe_file, describe_table
 from ingest.units import UNIT_FIELDS as _UNIT_FIELDS
@@ -60,9 +64,10 @@ def build_plan(config: Config) -> UnitPlan:
             + ([[s.tokens_column for s in config.sources]]
                if any(s.tokens_column for s in config.sources) else []))
 
+    described = [(f.format, f.size, list(f.row_groups), f.content_key) for f in files]
+
     def digest(paths: list[str]) -> str:
-        blob = json.dumps([[p, f.format, f.size, list(f.row_groups), f.content_key]
-                           for p, f in zip(paths, files, strict=True)] + rest)
+        blob = json.dumps([[p, *d] for p, d in zip(paths, described, strict=True)] + rest)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     return UnitPlan(files=tuple(files),
@@ -82,6 +87,7 @@ def _described_files(config: Config
     skipped: list[tuple[str, str, str]] = []
     missing: list[str] = []
     jobs: list[tuple[int, str | FileInfo]] = []  # (source, path or an in-memory table's info)
+    stamps: dict[str, FileStamp] = {}  # what the listings say of remote files
     for si, src in enumerate(config.sources):
         if src.table is not None:
             jobs.append((si, describe_table(f"memory:sources[{si}]", src.table, src.column,
@@ -90,7 +96,7 @@ def _described_files(config: Config
             continue
         unreadable: list[tuple[str, str]] = []
         try:
-            jobs.extend((si, p) for p in list_files(src.paths, src.format, unreadable))
+            jobs.extend((si, p) for p in list_files(src.paths, src.format, unreadable, stamps))
         except FileNotFoundError as e:
             missing.append(f"sources[{si}]: {e}")
         for path, why in unreadable:
@@ -104,7 +110,7 @@ def _described_files(config: Config
     if missing:
         raise FileNotFoundError("\n".join(missing))
     # _describe_all stops at the first error raised here, so it may be the shorter.
-    for (si, p), info in zip(jobs, _describe_all(config, jobs), strict=False):
+    for (si, p), info in zip(jobs, _describe_all(config, jobs, stamps), strict=False):
         if isinstance(info, BadInputError):
             if _skipped(config, info):
                 skipped.append((p, info.reason, str(info)))
@@ -203,69 +209,162 @@ def _cut_units(files: list[FileInfo], file_source: list[int],
     """Every row group of ``n`` rows cut into ``ceil(n / unit_rows)`` near-equal units, in file
     and group order; a unit's bytes are its share of its group's, at least 1. ``unit_rows``
     may differ per source (a dict by source index)."""
-    source, file, group, start, end, nbytes = [], [], [], [], [], []
-    for fi, info in enumerate(files):
-        rows = np.asarray(info.row_groups, np.int64)
-        if not len(rows):
-            continue
-        group_bytes = np.asarray(info.group_bytes, np.int64)
-        size = unit_rows if isinstance(unit_rows, int) else unit_rows[file_source[fi]]
-        parts = -(-rows // size)
-        gs = np.repeat(np.arange(len(rows)), parts)
-        # Part j of a group of n rows in p parts starts at round(j * n / p) (np.linspace's
-        # points, rounded half to even), so the bounds are the same as cutting each group alone.
-        j = np.arange(len(gs)) - np.repeat(np.cumsum(parts) - parts, parts)
-        n, p = rows[gs], parts[gs]
-        a = np.round(j * (n / p)).astype(np.int64)
-        b = np.where(j + 1 == p, n, np.round((j + 1) * (n / p)).astype(np.int64))
-        file.append(np.full(len(gs), fi, np.int32))
-        source.append(np.full(len(gs), file_source[fi], np.int32))
-        group.append(gs.astype(np.int32))
-        start.append(a)
-        end.append(b)
-        nbytes.append(np.maximum(1, group_bytes[gs] * (b - a) // np.maximum(n, 1)))
-    if not file:
+    counts = np.fromiter((len(info.row_groups) for info in files), np.int64, len(files))
+    if not counts.sum():
         return Units(*([] for _ in _UNIT_FIELDS))
-    return Units(*(np.concatenate(x) for x in (source, file, group, start, end, nbytes)))
+    rows = np.fromiter(itertools.chain.from_iterable(info.row_groups for info in files),
+                       np.int64, int(counts.sum()))
+    group_bytes = np.fromiter(itertools.chain.from_iterable(info.group_bytes for info in files),
+                              np.int64, len(rows))
+    # Every row group of every file at once: its file, source and index in its file.
+    file_of = np.repeat(np.arange(len(files)), counts)
+    source_of = np.asarray(file_source, np.int64)[file_of]
+    index_of = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    if isinstance(unit_rows, int):
+        size: int | np.ndarray = unit_rows
+    else:
+        by_source = np.zeros(int(source_of.max()) + 1, np.int64)
+        for si in np.unique(source_of).tolist():
+            by_source[si] = unit_rows[si]
+        size = by_source[source_of]
+    parts = -(-rows // size)
+    gs = np.repeat(np.arange(len(rows)), parts)
+    # Part j of a group of n rows in p parts starts at round(j * n / p) (np.linspace's
+    # points, rounded half to even), so the bounds are the same as cutting each group alone.
+    j = np.arange(len(gs)) - np.repeat(np.cumsum(parts) - parts, parts)
+    n, p = rows[gs], parts[gs]
+    a = np.round(j * (n / p)).astype(np.int64)
+    b = np.where(j + 1 == p, n, np.round((j + 1) * (n / p)).astype(np.int64))
+    return Units(source_of[gs].astype(np.int32), file_of[gs].astype(np.int32),
+                 index_of[gs].astype(np.int32), a, b,
+                 np.maximum(1, group_bytes[gs] * (b - a) // np.maximum(n, 1)))
 
 
+# Describing a local file is work for the CPUs (a footer parse, a JSONL scan); on an object
+# store it is mostly waiting for a round trip or two, so many more requests are kept in flight
+# there (each thread holds at most a file's two 64 KiB ends and its footer).
 _DESCRIBE_THREADS = 16
+_REMOTE_DESCRIBE_THREADS = 64
 _PROGRESS_EVERY_S = 10.0
+# A file's description is kept for later plans (ingest.cache) under its path and stamp
+# (``FileStamp``: size, and ETag or modification time). A time identifies the content only
+# once it is older than the clock's resolution (a second on S3) plus the skew between this
+# machine's clock and the store's: files changed less than this before the plan are
+# described again by the next one.
+_SETTLE_S = 60.0
+_CACHE_KIND = "plan-files"
 
 
-def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]]
-                  ) -> list[FileInfo | BadInputError]:
+def _cache_name(config: Config, si: int) -> str:
+    """The name of source ``si``'s kept descriptions: they depend on its paths, format and
+    column, and on how ``describe_file`` describes (JSONL's group size)."""
+    src = config.sources[si]
+    blob = json.dumps(["describe-2", GROUP_BYTES, list(src.paths), src.format, src.column,
+                       src.tokens_column is not None])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _describe_all(config: Config, jobs: list[tuple[int, str | FileInfo]],
+                  stamps: dict[str, FileStamp]) -> list[FileInfo | BadInputError]:
     """Each job's FileInfo (or its BadInputError), in order, up to the first error that is
-    not skipped. Files are read by a pool of threads, since each costs round trips on object
-    stores (Parquet and IPC footers) or a whole read (JSONL). Logs progress on long plans.
+    not skipped.
+
+    A file whose stamp (from its listing, or ``local_stamp``) is what an earlier plan
+    described it under gets that plan's FileInfo without a read. The others are read by a
+    pool of threads, a bounded number of files ahead, since each costs round trips on object
+    stores (Parquet and IPC footers) or a whole read (JSONL); their descriptions are kept for
+    the next plan. Logs progress on long plans.
     """
-    def describe(job: tuple[int, str | FileInfo]) -> FileInfo | BadInputError:
-        si, p = job
+    now = time.time()
+    out: list[FileInfo | BadInputError | None] = [None] * len(jobs)
+    # By source, what earlier plans kept: {path: (size, version, and FileInfo's format,
+    # row_groups, group_bytes, content_key, group_offsets)}, plain values (fast to load).
+    kept: dict[int, dict] = {}
+    fresh: dict[int, dict] = {}  # by source: what this plan keeps
+    stamp_of: dict[int, FileStamp] = {}
+    unversioned: dict[int, str] = {}  # by source: a file whose store gives no version
+    todo: list[int] = []
+    hits = 0
+    for i, (si, p) in enumerate(jobs):
         if isinstance(p, FileInfo):
-            return p
+            out[i] = p
+            continue
+        stamp = stamps.get(p) or local_stamp(p)
+        if stamp is None or stamp.version is None:
+            unversioned.setdefault(si, p)
+        elif stamp.settled(now, _SETTLE_S):
+            stamp_of[i] = stamp
+            if si not in kept:
+                kept[si] = read_entries(_CACHE_KIND, _cache_name(config, si))
+                fresh[si] = {}
+            hit = kept[si].get(p)
+            if hit is not None and hit[0] == stamp.size and hit[1] == stamp.version:
+                out[i] = FileInfo(path=p, format=hit[2], size=stamp.size, row_groups=hit[3],
+                                  group_bytes=hit[4], content_key=hit[5], group_offsets=hit[6])
+                fresh[si][p] = hit
+                hits += 1
+                continue
+        if stamp is not None:
+            stamp_of.setdefault(i, stamp)
+        todo.append(i)
+    for si, p in sorted(unversioned.items()):
+        log.info("planning: sources[%d]: the store gives neither a modification time nor an "
+                 "ETag or version for its files (e.g. %s), so nothing tells that one is "
+                 "unchanged: their metadata is read by every plan, never cached", si, p)
+
+    added: set[int] = set()  # sources with descriptions to keep that were not kept
+
+    def describe(i: int) -> FileInfo | BadInputError:
+        si, p = jobs[i]
         src = config.sources[si]
+        stamp = stamp_of.get(i)
         try:
-            return describe_file(p, src.format, src.column, tokens=src.tokens_column is not None)
+            info = describe_file(p, src.format, src.column, tokens=src.tokens_column is not None,
+                                 size=None if stamp is None else stamp.size)
         except BadInputError as e:
             return e
+        if si in fresh and stamp is not None and stamp.settled(now, _SETTLE_S):
+            fresh[si][p] = (stamp.size, stamp.version, info.format, info.row_groups,
+                            info.group_bytes, info.content_key, info.group_offsets)
+            added.add(si)
+        return info
 
-    out: list[FileInfo | BadInputError] = []
+    remote = any(isinstance(p, str) and "://" in p and not p.startswith("file://")
+                 for _, p in jobs)
+    threads = max(1, min(_REMOTE_DESCRIBE_THREADS if remote else _DESCRIBE_THREADS, len(todo)))
     start = last = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(_DESCRIBE_THREADS, len(jobs))),
-                                               thread_name_prefix="ingest-plan") as pool:
-        for future in [pool.submit(describe, job) for job in jobs]:
-            out.append(info := future.result())
+    stop = len(jobs)
+    read = 0
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ingest-plan") as pool:
+        ahead = iter(todo)
+        window = collections.deque((i, pool.submit(describe, i))
+                                   for i in itertools.islice(ahead, 4 * threads))
+        while window:
+            i, future = window.popleft()
+            out[i] = info = future.result()
+            read += 1
             if isinstance(info, BadInputError) and not _skipped(config, info):
+                stop = i + 1
                 pool.shutdown(cancel_futures=True)  # this error ends the plan
                 break
+            if (j := next(ahead, None)) is not None:
+                window.append((j, pool.submit(describe, j)))
             if time.monotonic() - last > _PROGRESS_EVERY_S:
                 last = time.monotonic()
-                log.info("planning: read the metadata of %d of %d files (%.0f s)", len(out),
-                         len(jobs), last - start)
-    if last > start:
-        log.info("planning: read the metadata of %d files in %.1f s", len(jobs),
-                 time.monotonic() - start)
-    return out
+                rate = read / (last - start)
+                log.info("planning: read the metadata of %d of %d files (%d more from the "
+                         "cache of an earlier plan), %.0f files/s, about %.0f s left", read,
+                         len(todo), hits, rate, (len(todo) - read) / rate)
+    for si, entries in fresh.items():
+        if stop < len(jobs):
+            entries = {**kept[si], **entries}  # keep what this plan did not get to
+        if si in added or len(entries) != len(kept[si]):
+            write_entries(_CACHE_KIND, _cache_name(config, si), entries)
+    if last > start or hits:
+        log.info("planning: read the metadata of %d files in %.1f s: %d from the files, %d "
+                 "from the cache of an earlier plan (size and version unchanged)", len(jobs),
+                 time.monotonic() - start, read, hits)
+    return out[:stop]
 
 
 def _skipped(config: Config, error: BadInputError) -> bool:

@@ -30,7 +30,7 @@ from ingest import jsonl, spill
 from ingest.cache import cached_by_files
 from ingest.columns import numpy_view, one_array
 from ingest.errors import BadInputError
-from ingest.paths import COMPRESSED, filesystem, format_of, is_local
+from ingest.paths import COMPRESSED, filesystem, format_of, is_local, read_ranges
 
 log = logging.getLogger("ingest.sources")
 
@@ -89,8 +89,9 @@ def describe_table(name: str, table: pa.Table, column: str, content_key: str, *,
 
 
 def describe_file(path: str, fmt: str | None, text_column: str, *,
-                  tokens: bool = False) -> FileInfo:
+                  tokens: bool = False, size: int | None = None) -> FileInfo:
     """Reads a file's metadata and checks its text column (``tokens``: a token-id column).
+    ``size``: the file's size where a listing gave it (else one more request asks).
 
     Raises:
       BadInputError: reason ``corrupt_file`` (unreadable), ``missing_column`` or
@@ -105,19 +106,18 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
             path=path)
     fs, local = filesystem(path)
     try:
-        size = fs.get_file_info(local).size
+        if size is None:
+            size = fs.get_file_info(local).size
+            if size is None:
+                raise FileNotFoundError(f"{path}: no such file")
         if fmt == "parquet":
-            with fs.open_input_file(local) as f:
-                # The first and last pages too: without compression or statistics, an edit
-                # that keeps every length leaves the footer as it was.
-                key = _tail_hash(f, size, magic=b"PAR1", head_bytes=1 << 16)
-                md = pq.ParquetFile(f).metadata
-                schema = md.schema.to_arrow_schema()
-                _check_column(schema, text_column, path, tokens=tokens)
-                ci = schema.get_field_index(text_column)
-                rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
-                nbytes = tuple(max(1, md.row_group(i).column(ci).total_uncompressed_size)
-                               for i in range(md.num_row_groups))
+            key, md = _parquet_footer(fs, local, size)
+            schema = md.schema.to_arrow_schema()
+            _check_column(schema, text_column, path, tokens=tokens)
+            ci = schema.get_field_index(text_column)
+            rows = tuple(md.row_group(i).num_rows for i in range(md.num_row_groups))
+            nbytes = tuple(max(1, md.row_group(i).column(ci).total_uncompressed_size)
+                           for i in range(md.num_row_groups))
         elif fmt == "arrow":
             with _open_arrow(fs, local) as f:
                 if f.read(6) != b"ARROW1":
@@ -147,6 +147,37 @@ def describe_file(path: str, fmt: str | None, text_column: str, *,
             reason="corrupt_file", path=path) from e
     return FileInfo(path=path, format=fmt, size=size, row_groups=rows, group_bytes=nbytes,
                     content_key=key, group_offsets=offsets)
+
+
+_HEAD_BYTES = 1 << 16  # the bytes of each end of a file that go into its content key
+
+
+def _parquet_footer(fs, local: str, size: int) -> tuple[str, pq.FileMetaData]:
+    """A Parquet file's content key (what ``_tail_hash`` makes of it) and parsed footer, from
+    one ranged read of its ends (the whole file when small) or two at once; a footer longer
+    than the tail read costs one more. Opening the file and reading through it would cost a
+    round trip per read on an object store."""
+    if size <= 2 * _HEAD_BYTES:
+        tail = head = read_ranges(fs, local, [(0, size)])[0]
+    else:
+        head, tail = read_ranges(fs, local, [(0, _HEAD_BYTES), (size - _HEAD_BYTES, size)])
+    h = hashlib.sha256()
+    end = tail[-8:]
+    n = int.from_bytes(end[:4], "little")
+    if size < 8 or end[4:] != b"PAR1" or not 0 < n <= size - 8:
+        pq.read_metadata(pa.BufferReader(tail))  # Arrow's own error for what this file is
+        raise pa.ArrowInvalid(f"no Parquet footer at the end of the file (length {n})")
+    if n + 8 > len(tail):
+        tail = read_ranges(fs, local, [(size - 8 - n, size - len(tail))])[0] + tail
+    footer = tail[len(tail) - 8 - n:len(tail) - 8]
+    # The first and last pages too: without compression or statistics, an edit that keeps
+    # every length leaves the footer as it was.
+    h.update(footer)
+    h.update(head[:_HEAD_BYTES])
+    h.update(tail[len(tail) - min(size, _HEAD_BYTES):])
+    # The footer alone, behind the magic, reads as the file's (its offsets are not followed).
+    md = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + end))
+    return h.hexdigest()[:16], md
 
 
 def _tail_hash(f, size: int, *, magic: bytes, head_bytes: int) -> str:
