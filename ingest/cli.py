@@ -14,12 +14,11 @@ several local JAX hosts) are not the user's: ``parse_args(argv, dev=True)`` adds
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any
 
-from ingest.config import Config
+from ingest.config import Config, config_keys
 from ingest.config_checks import unknown_fields
 from ingest.config_yaml import parse_override, read_yaml_fields
 from ingest.errors import ConfigError
@@ -275,7 +274,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         from ingest.demo import demo_config  # noqa: PLC0415 (writes its corpus on first use)
 
         try:
-            problems = unknown_fields(overrides, {f.name for f in dataclasses.fields(Config)})
+            problems = unknown_fields(overrides, config_keys())
             if "sources" in overrides:
                 problems.append("sources: the demo's corpus is built in; to read other sources, "
                                 "give a CONFIG file")

@@ -39,7 +39,7 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
       config: a validated config with finite ``num_epochs``.
       out: the directory.
       backend: ``ray`` (worker actors; Ray must be initialized) or ``local`` (in-process).
-      workers: Ray worker actors (default ``config.workers``).
+      workers: Ray worker actors (default ``config.runtime.workers``).
       plan: the unit plan (built from the config when None).
       segment_rows: rows per segment file.
       progress: reports progress (``Progress``), or None.
@@ -58,8 +58,8 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
             return LocalSource(config, plan, stream_ids)
         from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)
 
-        return WorkerPool(config, plan, stream_ids,
-                          num_workers=workers if workers is not None else config.workers)
+        return WorkerPool(config, plan, stream_ids, num_workers=workers if workers is not None
+                          else config.runtime.workers)
 
     return materialize(config, plan, out, open_source, segment_rows=segment_rows,
                        progress=progress)
@@ -180,7 +180,7 @@ def materialize_command(args) -> int:
 
         started_ray = not ray.is_initialized()
         # As `ingest run`: a local cluster gets at least one CPU per worker asked for.
-        start_ray(args.address, max(os.cpu_count() or 1, cfg.workers or 0))
+        start_ray(args.address, max(os.cpu_count() or 1, cfg.runtime.workers))
     progress = None if args.no_progress else Progress(cfg, plan, every_s=args.log_every)
     try:
         summary = materialize_corpus(cfg, args.out, backend=args.backend, plan=plan,

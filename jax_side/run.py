@@ -70,7 +70,7 @@ def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
     ray_started = None
     if args.backend == "ray":
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
-        workers = cfg.workers if cfg is not None else args.workers
+        workers = cfg.runtime.workers if cfg is not None else args.workers
         if workers is None and isinstance((args.overrides or {}).get("workers"), int):
             workers = args.overrides["workers"]  # the demo's, checked once it is built
         ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
@@ -244,7 +244,7 @@ def _special_tokens(config: Config) -> dict[str, Any]:
     process loaded it)."""
     from ingest.tokenize import bos_id_of, load_tokenizer  # noqa: PLC0415
 
-    tok = load_tokenizer(config.tokenizer, config.tokenizer_backend)
+    tok = load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
     return {"name": tok.name, "eos_id": tok.eos_id, "bos_id": bos_id_of(tok, config.bos),
             "bos": config.bos, "reason": tok.specials_reason}
 
@@ -417,7 +417,8 @@ def _main(argv: list[str], *, dev: bool, as_json: bool,
         if args.hosts:
             from jax_side.local_hosts import launch_local_hosts  # noqa: PLC0415
 
-            return launch_local_hosts(argv, args, workers_per_host=config_from_args(args).workers)
+            workers = config_from_args(args).runtime.workers
+            return launch_local_hosts(argv, args, workers_per_host=workers)
         return run_command(args, make_lab=make_lab)
     except DevicesMismatchError as e:
         return fail(str(e), 2)
