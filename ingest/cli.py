@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from ingest.config import Config, config_keys
+from ingest.config import Config, config_keys, with_overrides
 from ingest.config_checks import unknown_fields
 from ingest.config_yaml import parse_override, read_yaml_fields
 from ingest.errors import ConfigError
@@ -283,8 +283,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             return demo_config().replace(**overrides) if overrides else demo_config()
         except ConfigError as e:
             raise _override_error(e, args) from e
-    raw = read_yaml_fields(args.config)
-    raw.update(overrides)
+    raw = with_overrides(read_yaml_fields(args.config), overrides)
     try:
         return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(args.config)))
     except ConfigError as e:

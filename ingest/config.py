@@ -32,7 +32,7 @@ from ingest.runtime import RUNTIME_OPTION_NAMES, RuntimeOptions
 from ingest.source_config import SourceConfig
 
 __all__ = ["Config", "ConfigError", "RuntimeOptions", "SourceConfig", "check_memory",
-           "config_keys", "load_config", "machine_memory", "to_dict"]
+           "config_keys", "load_config", "machine_memory", "to_dict", "with_overrides"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,6 +263,19 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return {**_batch_fields(cfg), **_runtime_fields(cfg.runtime)}
 
 
+def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A config's plain data with ``overrides`` replacing its fields; a runtime option that
+    the data holds in a nested ``runtime`` mapping is replaced there."""
+    out = dict(raw)
+    nested = out.get("runtime")
+    for key, value in overrides.items():
+        if isinstance(nested, dict) and key in RUNTIME_OPTION_NAMES and key in nested:
+            nested = out["runtime"] = {**nested, key: value}
+        else:
+            out[key] = value
+    return out
+
+
 def config_keys() -> frozenset[str]:
     """The keys a config's plain data may hold: every field, and the runtime options flat."""
     return frozenset(f.name for f in dataclasses.fields(Config)) | RUNTIME_OPTION_NAMES
@@ -275,8 +288,8 @@ def load_config(path: str, **overrides: Any) -> Config:
       ConfigError: invalid YAML, a key given twice in one mapping (naming both lines), a file
         that is not a mapping of fields, or invalid fields (every problem at once).
     """
-    raw = read_yaml_fields(path)
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    raw = with_overrides(read_yaml_fields(path),
+                         {k: v for k, v in overrides.items() if v is not None})
     try:
         return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)))
     except ConfigError as e:

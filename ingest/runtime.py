@@ -22,13 +22,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ingest.errors import ConfigError
 from ingest.shift import chunk_token_bytes
-
-if TYPE_CHECKING:
-    from ingest.config import Config
 
 __all__ = ["AUTO_FIELDS", "TOKENIZER_BACKENDS", "ResolvedRuntime", "RuntimeOptions",
            "resolve_runtime", "streams_per_call_for"]
@@ -243,7 +240,15 @@ class ResolvedRuntime:
         return min(self.prefetch, depth)
 
 
-def resolve_runtime(config: Config) -> ResolvedRuntime:
+class _RunConfig(Protocol):
+    """What resolving reads of an ``ingest.config.Config`` (which imports this module)."""
+
+    runtime: RuntimeOptions
+    seq_len: int
+    num_streams: int
+
+
+def resolve_runtime(config: _RunConfig) -> ResolvedRuntime:
     """``config.runtime`` with ``chunk_rows``, ``streams_per_call`` and ``prefetch`` chosen
     by the rule of this module where they were left null, each with its reason."""
     opts, seq_len, streams = config.runtime, config.seq_len, config.num_streams
