@@ -37,7 +37,10 @@ __all__ = ["Config", "ConfigError", "RuntimeOptions", "SourceConfig", "check_mem
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """What to feed and how.
+    """What to feed: every field defines the batches, but ``runtime``, how to run the feed.
+
+    ``Config(sources=..., seq_len=..., runtime=RuntimeOptions(workers=4))``; ``replace``
+    and ``from_dict`` also take the runtime options by name (``replace(workers=4)``).
 
     Attributes:
       sources: the datasets (at least one).

@@ -47,8 +47,9 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
     if backend not in ("ray", "local"):
         raise ValueError(f"backend={backend!r} must be 'ray' or 'local'")
     check_memory(config, host_batches=0)  # chunks that cannot fit fail here, not in a worker
-    # Fail on the driver, before any worker starts, on a bad tokenizer spec.
-    load_tokenizer(config.tokenizer)
+    # Fail on the driver, before any worker starts, on a bad tokenizer spec (or a backend not
+    # installed, or not proven on the vocabulary).
+    load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
     plan = plan if plan is not None else build_plan(config)
 
     def open_source(stream_ids: list[int]):

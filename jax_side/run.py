@@ -128,6 +128,7 @@ def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
     stats["first_step"] = start_step
     stats["last_step"] = step
     stats["tokenizer"] = _special_tokens(feed.config)
+    stats["runtime"] = _runtime_knobs(feed.config)
     if digest is not None:
         stats["digest"] = digest.hexdigest()
     return run_summary.report(args, stats, start_step)
@@ -247,6 +248,15 @@ def _special_tokens(config: Config) -> dict[str, Any]:
     tok = load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
     return {"name": tok.name, "eos_id": tok.eos_id, "bos_id": bos_id_of(tok, config.bos),
             "bos": config.bos, "reason": tok.specials_reason}
+
+
+def _runtime_knobs(config: Config) -> dict[str, Any]:
+    """The knobs the run resolved (``ingest.runtime.resolve_runtime``), and the reason for
+    each automatic one."""
+    from ingest.runtime import AUTO_FIELDS, resolve_runtime  # noqa: PLC0415
+
+    runtime = resolve_runtime(config)
+    return {**{n: getattr(runtime, n) for n in AUTO_FIELDS}, "reasons": dict(runtime.reasons)}
 
 
 def _workers_run(feed) -> bool:
