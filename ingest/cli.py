@@ -65,7 +65,7 @@ def _version() -> str:
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments ``run`` and ``materialize`` share: what to run and where."""
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
-    p.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
+    p.add_argument("--workers", type=int, help="Ray worker actors (overrides the config's workers)")
     p.add_argument("--backend", choices=("ray", "local"), default="ray",
                    help="ray: worker actors (default); local: in-process, no Ray")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
