@@ -8,7 +8,7 @@ the running workers in turn::
     streams 0..7 on 3 workers, streams_per_call 2:   w0 <- (0 1) (6 7)  w1 <- (2 3)  w2 <- (4 5)
 
 ``streams_per_call`` is at most a worker's share of the streams, so that every worker gets a
-group (``ingest.config.streams_per_call_for``). After a resize or a replacement a group's
+group (``ingest.runtime.streams_per_call_for``). After a resize or a replacement a group's
 streams may sit on different workers; each worker's part is then asked for on its own.
 
 ``Placement`` holds a pool's workers (running, and pending: started but waiting for a CPU)
@@ -26,6 +26,7 @@ import ray
 
 from actors.worker import HOST_ENV, StreamWorker, actor_class
 from ingest.config import Config
+from ingest.runtime import ResolvedRuntime
 
 __all__ = ["Placement", "group_streams", "idle_workers", "place_groups", "pool_size",
            "uneven_share"]
@@ -40,6 +41,7 @@ class Placement:
       config: the validated config.
       plan_ref: the unit plan, in the object store.
       stream_ids: the streams of the pool.
+      runtime: the config's runtime options resolved (``streams_per_call``).
       worker_cls: ``StreamWorker`` or a subclass of it.
       prefault_bytes: the object store each worker maps as it starts.
       timeout_s: how long the first workers may take to start.
@@ -51,8 +53,10 @@ class Placement:
     """
 
     def __init__(self, config: Config, plan_ref: ray.ObjectRef, stream_ids: list[int], *,
-                 worker_cls: type[StreamWorker], prefault_bytes: int, timeout_s: float):
+                 runtime: ResolvedRuntime, worker_cls: type[StreamWorker], prefault_bytes: int,
+                 timeout_s: float):
         self._config = config
+        self._runtime = runtime
         self._plan_ref = plan_ref
         self._stream_ids = list(stream_ids)
         self._actor_cls = actor_class(worker_cls)
@@ -110,13 +114,13 @@ class Placement:
     def _place(self, n: int) -> None:
         """Groups the streams for a pool of ``n`` workers and places the groups on the
         workers running."""
-        config = self._config
-        g = config.streams_per_call_on(len(self._stream_ids), n)
+        runtime = self._runtime
+        g = runtime.streams_per_call_on(len(self._stream_ids), n)
         self.streams_per_call = g
-        if g != config.streams_per_call:
+        if g != runtime.streams_per_call:
             log.info("streams_per_call=%d: this host's %d streams on %d workers (the config's "
                      "%d counts num_streams=%d on workers=%d)", g, len(self._stream_ids), n,
-                     config.streams_per_call, config.num_streams, config.workers)
+                     runtime.streams_per_call, runtime.num_streams, runtime.options.workers)
         self._group = group_streams(self._stream_ids, g)
         self._of = place_groups(self._stream_ids, g, self.workers)
         uneven = uneven_share(self._of, len(self.workers))
@@ -172,10 +176,11 @@ class Placement:
 def pool_size(config: Config, num_workers: int, streams: int) -> int:
     """Workers a pool of ``streams`` streams starts with: ``num_workers``, at most one per
     stream (one more would have nothing to do), within the autoscale bounds when
-    ``config.autoscale``."""
+    ``config.runtime.autoscale``."""
     n = min(num_workers, streams)
-    if config.autoscale:
-        n = max(config.min_workers, min(config.max_workers or n, n))
+    opts = config.runtime
+    if opts.autoscale:
+        n = max(opts.min_workers, min(opts.max_workers or n, n))
         n = min(n, streams)
     return n
 

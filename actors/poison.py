@@ -44,6 +44,7 @@ class PoisonLocator:
       config: the validated config.
       plan: the unit plan.
       placement: where disposable workers are started from.
+      chunk_rows: rows of the traced chunk (the pool's).
       timeout_s: how long a traced chunk may take.
 
     Attributes:
@@ -51,8 +52,9 @@ class PoisonLocator:
     """
 
     def __init__(self, config: Config, plan: UnitPlan, placement: Placement, *,
-                 timeout_s: float):
+                 chunk_rows: int, timeout_s: float):
         self._config = config
+        self._chunk_rows = chunk_rows
         self._plan = plan
         self._placement = placement
         self._timeout = timeout_s
@@ -74,7 +76,7 @@ class PoisonLocator:
         try:
             raise_worker_error(get_within(probe.open.remote(s, state, skip), self._timeout,
                                           f"opening stream {s} to locate a poison document"))
-            get_within(probe.produce_traced.remote(s, self._config.chunk_rows, mailbox),
+            get_within(probe.produce_traced.remote(s, self._chunk_rows, mailbox),
                        self._timeout, f"a traced chunk of stream {s}")
         except WORKER_LOST:
             raw = get_within(mailbox.get.remote(), self._timeout, "the place a worker died at")

@@ -39,6 +39,7 @@ from actors.worker import StreamWorker, WorkerError
 from ingest.chunk import SourceStats, StartAt
 from ingest.config import Config
 from ingest.plan import UnitPlan
+from ingest.runtime import resolve_runtime
 from ingest.stream import Chunk
 
 __all__ = ["WorkerPool"]
@@ -55,7 +56,8 @@ class WorkerPool:
     ``ingest.chunk.ChunkSource``).
 
     Args:
-      config: the validated config (``chunk_rows`` and ``prefetch`` are read here).
+      config: the validated config (its runtime options resolved here:
+        ``ingest.runtime.resolve_runtime``).
       plan: the unit plan, put in the object store once and shared by every worker.
       stream_ids: the streams this host owns.
       num_workers: actors to start (one CPU each); at most one per stream is useful.
@@ -80,9 +82,11 @@ class WorkerPool:
         self._config = config
         self._stream_ids = list(stream_ids)
         self._timeout = get_timeout_s
+        runtime = resolve_runtime(config)
+        self._chunk_bytes = runtime.chunk_bytes
         # Requests in flight per stream, lowered to fit object_store_budget_mb.
-        depth = config.requests_in_flight(len(self._stream_ids))
-        self.bytes_bound = len(self._stream_ids) * (depth + 1) * config.chunk_bytes
+        depth = runtime.requests_in_flight(len(self._stream_ids))
+        self.bytes_bound = len(self._stream_ids) * (depth + 1) * runtime.chunk_bytes
         self._bytes_peak = 0
         self._metrics = HostMetrics()
         self._rows_by_stream: dict[int, int] = {s: 0 for s in self._stream_ids}
@@ -91,21 +95,22 @@ class WorkerPool:
         self._wait_s = 0.0
         self.chunks_received = 0
         n = pool_size(config, num_workers, len(self._stream_ids))
-        idle = None if config.autoscale else idle_workers(num_workers, len(self._stream_ids),
+        idle = None if config.runtime.autoscale else idle_workers(num_workers, len(self._stream_ids),
                                                           config.num_streams)
         if idle:
             log.warning("%s", idle)
         # Each worker maps this much of the store when it starts: the chunks land there.
         prefault = (min(self.bytes_bound * 5 // 4, PREFAULT_MAX_BYTES)
-                    if config.prefault_object_store else 0)
-        self.placement = Placement(config, ray.put(plan), self._stream_ids,
+                    if config.runtime.prefault_object_store else 0)
+        self.placement = Placement(config, ray.put(plan), self._stream_ids, runtime=runtime,
                                    worker_cls=worker_cls, prefault_bytes=prefault,
                                    timeout_s=get_timeout_s)
         self.placement.start(n)
         self.in_flight = InFlightRequests(self.placement, self._stream_ids,
-                                          chunk_rows=config.chunk_rows, depth=depth,
+                                          chunk_rows=runtime.chunk_rows, depth=depth,
                                           timeout_s=get_timeout_s)
-        self.poison = PoisonLocator(config, plan, self.placement, timeout_s=get_timeout_s)
+        self.poison = PoisonLocator(config, plan, self.placement, chunk_rows=runtime.chunk_rows,
+                                    timeout_s=get_timeout_s)
         self.recovery = WorkerRecovery(config, plan, self.placement, self.in_flight,
                                        self.poison, self._metrics, timeout_s=get_timeout_s)
         self.resizing = PoolResizing(config, self.placement, self.recovery, self.in_flight,
@@ -231,7 +236,7 @@ class WorkerPool:
         # An upper bound on what the host holds: every request queued, plus at most one chunk
         # per stream in its hands (the feed drops a chunk before asking for the next).
         held = self.in_flight.total() + len(self._stream_ids)
-        chunk_bytes = self._config.chunk_bytes
+        chunk_bytes = self._chunk_bytes
         self._bytes_peak = max(self._bytes_peak, held * chunk_bytes)
         name = self.placement.name_of(self.placement.worker_of(s))
         self._rows_by_stream[s] += out.num_rows

@@ -48,11 +48,12 @@ class PoolResizing:
         self._streams = streams
         self._target: int | None = None
         self._autoscale: AutoscalePolicy | None = None
-        if config.autoscale:
+        opts = config.runtime
+        if opts.autoscale:
             self._autoscale = AutoscalePolicy(
-                min_workers=min(config.min_workers, streams),
-                max_workers=min(config.max_workers or streams, streams),
-                window_s=config.autoscale_window_s)
+                min_workers=min(opts.min_workers, streams),
+                max_workers=min(opts.max_workers or streams, streams),
+                window_s=opts.autoscale_window_s)
         # (start of the autoscale window, the caller's wait in seconds then)
         self._scale_mark = (time.perf_counter(), 0.0)
         self.resizes = 0

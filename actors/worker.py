@@ -89,7 +89,7 @@ class StreamWorker:
         os.environ.update(WORKER_ENV)
         os.environ.update({k: v for k, v in (host_env or {}).items() if k in HOST_ENV})
         one_cpu_producer()  # the actor reserves one CPU
-        if config.pin_workers:
+        if config.runtime.pin_workers:
             claim_cpu()
         # The first pages of Ray's object store (``prefault_object_store``), where this worker's
         # chunks will be stored: on a thread of its own, so that the actor is ready at once.
@@ -161,7 +161,7 @@ class StreamWorker:
             s.set_trace(None)
 
     def _tokenizer(self):
-        return load_tokenizer(self._config.tokenizer, self._config.tokenizer_backend)
+        return load_tokenizer(self._config.tokenizer, self._config.runtime.tokenizer_backend)
 
     def _call(self, stream_id: int, fn, *args):
         try:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = [(a, m[i:i + g]) for a, m in zip(actors, mine, strict=True)
                   for i in range(0, len(m), g)]
         t0 = time.perf_counter()
-        q = collections.deque((a, ids, a.produce.remote(ids, cfg.chunk_rows))
+        q = collections.deque((a, ids, a.produce.remote(ids, args.chunk_rows))
                               for _ in range(2) for a, ids in groups)
         rows = after = 0
         first_round_at = None
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 c.fields  # noqa: B018 -- read every row, as the host does
             live = [s for s, c in zip(ids, out, strict=True) if not c.exhausted]
             if live:
-                q.append((a, live, a.produce.remote(live, cfg.chunk_rows)))
+                q.append((a, live, a.produce.remote(live, args.chunk_rows)))
         end = time.perf_counter()
     finally:
         ray.shutdown()

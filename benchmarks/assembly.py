@@ -79,6 +79,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from ingest.chunk_format import FIELDS, RowPieces, batch_groups
     from ingest.config import Config
     from ingest.plan import build_plan
+    from ingest.runtime import resolve_runtime
     from ingest.stream import Stream
     from jax_side.feed import HostFeed
     from jax_side.host_buffers import aligned_empty
@@ -86,6 +87,7 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     from jax_side.sharding import batch_sharding, host_rows
 
     cfg = Config.from_dict(spec.config)
+    chunk_rows = resolve_runtime(cfg).chunk_rows
     plan = build_plan(cfg)
     mesh = jax.make_mesh((jax.local_device_count(),), ("data",))
     sharding = batch_sharding(mesh, "data")
@@ -96,8 +98,8 @@ def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     for s in rows.streams:
         stream = Stream(cfg, plan, s)
         # One chunk more than the steps take: a last round may look one chunk ahead.
-        chunks[s] = [stream.produce(cfg.chunk_rows)
-                     for _ in range(-(-steps * k // cfg.chunk_rows) + 1)]
+        chunks[s] = [stream.produce(chunk_rows)
+                     for _ in range(-(-steps * k // chunk_rows) + 1)]
         if sum(c.num_rows for c in chunks[s]) < steps * k:
             raise ValueError(f"stream {s} has fewer than {steps * k} rows; the corpus is too small "
                              f"for {steps} assembly steps: use a larger corpus or fewer streams")

@@ -71,17 +71,19 @@ def _setting(config: str | None, spec: BenchSpec) -> Setting:
     """What is measured, with the run's automatic knobs resolved as ``ingest run`` resolves
     them."""
     from ingest.config import Config  # noqa: PLC0415
+    from ingest.runtime import resolve_runtime  # noqa: PLC0415
 
     resolved = Config.from_dict(spec.config)
+    runtime = resolve_runtime(resolved)
     return Setting(config=config or "(built-in demo)", files=list(spec.files),
                    tokenizer=spec.tokenizer, tokenizer_backend=spec.tokenizer_backend,
                    seq_len=spec.seq_len, global_batch_size=spec.global_batch_size,
                    cpus=spec.cpus, epochs=spec.epochs, steps=spec.steps or "every epoch",
                    details={"text_column": spec.text_column, "num_streams": spec.num_streams,
-                            "runtime_knobs": resolved.runtime_choices(),
-                            **{k: getattr(resolved, k) for k in
-                               ("packing", "chunk_rows", "prefetch", "streams_per_call",
-                                "unit_rows")}})
+                            "runtime_knobs": runtime.choices(),
+                            "packing": resolved.packing, "unit_rows": resolved.unit_rows,
+                            **{k: getattr(runtime, k) for k in
+                               ("chunk_rows", "prefetch", "streams_per_call")}})
 
 
 def run_bench(config: str | None, *, quick: bool, steps: int | None, command: str,

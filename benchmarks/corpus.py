@@ -100,7 +100,7 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
       ValueError: sources that are not local Parquet files, or that use different text
         columns (the peers read one column of plain Parquet files).
     """
-    from ingest.config import AUTO_FIELDS, load_config
+    from ingest.config import load_config, to_dict
     from ingest.demo import demo_config
     from ingest.paths import list_files
 
@@ -137,15 +137,13 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
         files = kept
     steps = steps if steps is not None else (QUICK_STEPS if quick else None)
     epochs = epochs or (1 if quick else EPOCHS)
-    config = dataclasses.asdict(base)
+    config = to_dict(base)  # knobs left automatic stay so: `ingest run` resolves them
     # Exactly these files, as many times as the peers read them, one worker per CPU.
     config.update(sources=[{"paths": list(files), "text_column": columns[0], "format": "parquet",
                             "weight": 1.0}],
                   num_epochs=epochs, workers=cpus)
-    # Knobs the config leaves automatic stay so: `ingest run` resolves them for its workers.
-    config.update({n: None for n in AUTO_FIELDS if base.is_auto(n)})
     return BenchSpec(files=tuple(files), text_column=columns[0], tokenizer=base.tokenizer,
-                     tokenizer_backend=base.tokenizer_backend,
+                     tokenizer_backend=base.runtime.tokenizer_backend,
                      seq_len=base.seq_len, global_batch_size=base.global_batch_size,
                      num_streams=base.num_streams, cpus=cpus, epochs=epochs, steps=steps,
                      limit_text_bytes=QUICK_LIMIT_TEXT_BYTES if quick else LIMIT_TEXT_BYTES,

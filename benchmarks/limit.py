@@ -216,9 +216,11 @@ def _produce_all(spec: BenchSpec, max_rows_per_stream: int | None) -> tuple[floa
     from ingest.chunk_format import LAYOUT_FIELDS
     from ingest.config import Config
     from ingest.plan import build_plan
+    from ingest.runtime import resolve_runtime
     from ingest.stream import Stream
 
     cfg = Config.from_dict(spec.config)
+    chunk_rows = resolve_runtime(cfg).chunk_rows
     plan = build_plan(cfg)
     streams = [Stream(cfg, plan, s) for s in range(cfg.num_streams)]
     seg = LAYOUT_FIELDS.index("inputs_segmentation")
@@ -227,7 +229,7 @@ def _produce_all(spec: BenchSpec, max_rows_per_stream: int | None) -> tuple[floa
     t0 = time.perf_counter()
     while live:
         for s in list(live):
-            c = s.produce(cfg.chunk_rows)
+            c = s.produce(chunk_rows)
             tokens += int((c.layout[seg] != 0).sum())
             rows += c.num_rows
             done = max_rows_per_stream is not None and \

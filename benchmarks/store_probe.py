@@ -40,6 +40,7 @@ class Producer:
         from ingest.config import Config
         from ingest.plan import build_plan
         from ingest.process import one_cpu_producer
+        from ingest.runtime import resolve_runtime
         from ingest.stream import open_stream
         from ingest.tokenize import load_tokenizer
 
@@ -47,11 +48,12 @@ class Producer:
         spec = make_spec(None, quick=False, steps=None)
         self.cfg = Config.from_dict(dict(spec.config, num_epochs=100_000))  # never runs out
         plan = build_plan(self.cfg)
-        tokenizer = load_tokenizer(self.cfg.tokenizer, self.cfg.tokenizer_backend)
+        tokenizer = load_tokenizer(self.cfg.tokenizer, self.cfg.runtime.tokenizer_backend)
+        self.chunk_rows = resolve_runtime(self.cfg).chunk_rows
         self.core = core
         self.streams = [open_stream(self.cfg, plan, s, tokenizer) for s in stream_ids]
         for s in self.streams:  # warm: the first units read, the tokenizer loaded
-            s.produce(self.cfg.chunk_rows)
+            s.produce(self.chunk_rows)
 
     def ready(self) -> int:
         return self.core
@@ -67,7 +69,7 @@ class Producer:
         c0, w0 = time.process_time(), time.time()
         rows = i = 0
         while time.time() < t_end:
-            c = self.streams[i % len(self.streams)].produce(self.cfg.chunk_rows)
+            c = self.streams[i % len(self.streams)].produce(self.chunk_rows)
             i += 1
             rows += c.num_rows
             if put:

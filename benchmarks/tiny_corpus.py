@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import yaml
 
 from ingest.cache import cache_root
-from ingest.config import AUTO_FIELDS
 from ingest.demo import demo_config
+from ingest.runtime import AUTO_FIELDS
 
 MAX_DOC_BYTES = 200
 TEXT_BYTES = 40 * 2**20  # enough that a run's steady part is long beside its startup
@@ -78,7 +78,8 @@ def write_tiny_corpus(root: str | None = None) -> str:
               "seq_len": demo.seq_len, "global_batch_size": demo.global_batch_size,
               "num_streams": demo.num_streams, "packing": demo.packing, "num_epochs": 1,
               "unit_rows": 256,
-              **{n: getattr(demo, n) for n in AUTO_FIELDS if not demo.is_auto(n)}}
+              **{n: getattr(demo.runtime, n) for n in AUTO_FIELDS
+                 if getattr(demo.runtime, n) is not None}}
     with open(config_path + ".tmp", "w") as f:
         yaml.safe_dump(config, f)
     os.replace(config_path + ".tmp", config_path)

@@ -6,10 +6,11 @@ from ingest.config import Config, SourceConfig, load_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, ConfigError, StreamError
 from ingest.plan import UnitPlan, build_plan
+from ingest.runtime import RuntimeOptions
 from ingest.stream import Chunk, Stream, open_stream
 
 __all__ = [
-    "FIELDS", "BadInputError", "BatchDigest", "Chunk", "Config", "ConfigError", "SourceConfig",
-    "Stream", "StreamError", "UnitPlan", "build_plan", "load_config", "open_stream",
-    "step_digest",
+    "FIELDS", "BadInputError", "BatchDigest", "Chunk", "Config", "ConfigError", "RuntimeOptions",
+    "SourceConfig", "Stream", "StreamError", "UnitPlan", "build_plan", "load_config",
+    "open_stream", "step_digest",
 ]

@@ -14,12 +14,11 @@ several local JAX hosts) are not the user's: ``parse_args(argv, dev=True)`` adds
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any
 
-from ingest.config import Config
+from ingest.config import Config, config_keys, with_overrides
 from ingest.config_checks import unknown_fields
 from ingest.config_yaml import parse_override, read_yaml_fields
 from ingest.errors import ConfigError
@@ -66,7 +65,7 @@ def _version() -> str:
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments ``run`` and ``materialize`` share: what to run and where."""
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in demo)")
-    p.add_argument("--workers", type=int, help="Ray worker actors (overrides config.workers)")
+    p.add_argument("--workers", type=int, help="Ray worker actors (overrides the config's workers)")
     p.add_argument("--backend", choices=("ray", "local"), default="ray",
                    help="ray: worker actors (default); local: in-process, no Ray")
     p.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else start "
@@ -275,7 +274,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         from ingest.demo import demo_config  # noqa: PLC0415 (writes its corpus on first use)
 
         try:
-            problems = unknown_fields(overrides, {f.name for f in dataclasses.fields(Config)})
+            problems = unknown_fields(overrides, config_keys())
             if "sources" in overrides:
                 problems.append("sources: the demo's corpus is built in; to read other sources, "
                                 "give a CONFIG file")
@@ -284,8 +283,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             return demo_config().replace(**overrides) if overrides else demo_config()
         except ConfigError as e:
             raise _override_error(e, args) from e
-    raw = read_yaml_fields(args.config)
-    raw.update(overrides)
+    raw = with_overrides(read_yaml_fields(args.config), overrides)
     try:
         return Config.from_dict(raw, base_dir=os.path.dirname(os.path.abspath(args.config)))
     except ConfigError as e:

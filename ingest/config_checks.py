@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ingest.bpe_backend import FASTEST_FIRST, PROVEN
+from ingest.runtime import RuntimeOptions
 from ingest.source_config import SourceConfig
 
 __all__ = ["check_fields", "check_rampup", "did_you_mean", "nearest_divisors",
@@ -23,14 +23,12 @@ DEALS = ("units", "row_groups")
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 BAD_INPUT_POLICIES = ("error", "skip")
 TOKENIZER_NAMES = ("gpt2", "cl100k", "cl100k_base")
-TOKENIZER_BACKENDS = ("auto", "tiktoken", *FASTEST_FIRST)
-# Runtime knobs left null resolve by a rule (ingest.config); a value given must be positive.
-AUTO_FIELDS = ("chunk_rows", "streams_per_call", "prefetch")
 
 
 def check_fields(cfg: Any) -> tuple[list[str], dict[int, float] | None]:
     """The problems of a ``Config``'s fields, and its ``batch_rampup`` normalized (None when
-    there is none or it has problems)."""
+    there is none or it has problems). ``runtime`` checks its own fields
+    (``ingest.runtime.RuntimeOptions``); only how they fit the others is checked here."""
     problems = []
     if not isinstance(cfg.sources, tuple | list) or not cfg.sources:
         problems.append("sources must be a non-empty list of {paths, text_column, weight}")
@@ -53,20 +51,14 @@ def check_fields(cfg: Any) -> tuple[list[str], dict[int, float] | None]:
         return True
 
     ok = [positive_int(n) for n in ("seq_len", "global_batch_size", "num_streams",
-                                    "packing_bins", "unit_rows", "workers")]
-    ok += [positive_int(n, allow_none=True) for n in AUTO_FIELDS]
-    problems += _backend_problems(cfg)
+                                    "packing_bins", "unit_rows")]
     positive_int("num_epochs", allow_none=True)
-    if (positive_int("min_workers") and positive_int("max_workers", allow_none=True)
-            and cfg.max_workers is not None and cfg.max_workers < cfg.min_workers):
-        problems.append(f"max_workers={cfg.max_workers} is below "
-                        f"min_workers={cfg.min_workers}")
     if ok[1] and ok[2] and cfg.global_batch_size % cfg.num_streams:
         problems.append(
             f"global_batch_size={cfg.global_batch_size} is not divisible by "
             f"num_streams={cfg.num_streams}; choose num_streams in "
             f"{nearest_divisors(cfg.global_batch_size, cfg.num_streams)}")
-    problems += _choice_and_flag_problems(cfg)
+    problems += _choice_and_flag_problems(cfg) + _runtime_problems(cfg)
     rampup, rampup_problems = check_rampup(
         cfg.batch_rampup, cfg.global_batch_size if ok[1] else None,
         cfg.num_streams if ok[2] else None)
@@ -90,24 +82,6 @@ def _tokenizer_problems(cfg: Any) -> list[str]:
     return problems
 
 
-def _backend_problems(cfg: Any) -> list[str]:
-    if cfg.tokenizer_backend not in TOKENIZER_BACKENDS:
-        return [f"tokenizer_backend={cfg.tokenizer_backend!r} must be one of "
-                f"{list(TOKENIZER_BACKENDS)}"]
-    proven = PROVEN.get(cfg.tokenizer_backend)
-    hf_file = isinstance(cfg.tokenizer, str) and (
-        cfg.tokenizer.endswith(".json") or os.path.isdir(cfg.tokenizer))
-    if cfg.tokenizer_backend == "tuetoken" and hf_file:
-        return []  # proven per tokenizer.json family when it loads (ingest.bpe_backend)
-    if proven is not None and cfg.tokenizer not in proven:
-        names = sorted({n for n in proven if not n.endswith("_base")})
-        which = " and ".join(names) + (" vocabulary" if len(names) == 1 else " vocabularies")
-        return [f"tokenizer_backend={cfg.tokenizer_backend!r} runs the {which} only "
-                f"(tokenizer={cfg.tokenizer!r}); use tokenizer_backend: auto (the fastest "
-                f"exact one) or tiktoken"]
-    return []
-
-
 def _choice_and_flag_problems(cfg: Any) -> list[str]:
     """The fields that take one of a few words, the flags and the other numbers."""
     problems = []
@@ -117,26 +91,26 @@ def _choice_and_flag_problems(cfg: Any) -> list[str]:
                           ("on_bad_file", BAD_INPUT_POLICIES)):
         if getattr(cfg, name) not in allowed:
             problems.append(f"{name}={getattr(cfg, name)!r} must be one of {list(allowed)}")
-    for name in ("predict_across_documents", "shuffle", "autoscale", "pin_workers",
-                 "prefault_object_store"):
+    for name in ("predict_across_documents", "shuffle", "drop_remainder"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name}={getattr(cfg, name)!r} must be true or false")
-    w = cfg.autoscale_window_s
-    if isinstance(w, bool) or not isinstance(w, int | float) or w <= 0:
-        problems.append(f"autoscale_window_s={w!r} must be a number of seconds > 0")
-    b = cfg.object_store_budget_mb
-    if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or b <= 0):
-        problems.append(f"object_store_budget_mb={b!r} must be a number > 0 or null")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
         problems.append(f"seed={cfg.seed!r} must be an integer >= 0")
-    for name in ("drop_remainder", "reset_after_epoch"):
-        if not isinstance(getattr(cfg, name), bool):
-            problems.append(f"{name}={getattr(cfg, name)!r} must be true or false")
-    if cfg.reset_after_epoch is True and cfg.num_epochs != 1:
-        problems.append(f"reset_after_epoch=true restarts the feed after each pass, which needs "
-                        f"num_epochs=1 (got num_epochs={cfg.num_epochs!r}); set num_epochs: 1 "
-                        f"or reset_after_epoch: false")
     return problems
+
+
+def _runtime_problems(cfg: Any) -> list[str]:
+    """Whether ``runtime`` is a ``RuntimeOptions`` and fits the other fields."""
+    rt = cfg.runtime
+    if not isinstance(rt, RuntimeOptions):
+        return [f"runtime={rt!r} must be an ingest.runtime.RuntimeOptions (e.g. "
+                f"runtime=RuntimeOptions(workers=4)); a mapping of runtime options is read by "
+                f"Config.from_dict"]
+    if rt.reset_after_epoch is True and cfg.num_epochs != 1:
+        return [f"reset_after_epoch=true restarts the feed after each pass, which needs "
+                f"num_epochs=1 (got num_epochs={cfg.num_epochs!r}); set num_epochs: 1 "
+                f"or reset_after_epoch: false"]
+    return []
 
 
 def check_rampup(raw: Any, batch: int | None, streams: int | None

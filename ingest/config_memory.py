@@ -8,6 +8,7 @@ from typing import Any
 
 from ingest.chunk_format import chunk_token_bytes
 from ingest.errors import ConfigError
+from ingest.runtime import resolve_runtime
 
 __all__ = ["check_memory", "machine_memory"]
 
@@ -78,23 +79,24 @@ def check_memory(config: Any, *, streams: int | None = None,
             f"seq_len={config.seq_len:,} x 6 fields x 4 bytes = {_size(host * row)} per batch; "
             f"the host keeps {host_batches} (one being filled, the prefetched ones, one in "
             f"use): {_size(batch_need)}, more than {have}. Lower {which} or seq_len")
-    per_stream = config.prefetch + 2
-    chunk_need = owned * per_stream * config.chunk_bytes
+    runtime = resolve_runtime(config)
+    per_stream = runtime.prefetch + 2
+    chunk_need = owned * per_stream * runtime.chunk_bytes
     if chunk_need > total:
-        lower = ("prefetch or seq_len" if config.chunk_rows == 1
+        lower = ("prefetch or seq_len" if runtime.chunk_rows == 1
                  else "chunk_rows, prefetch or seq_len")
-        auto = " (automatic)" if config.is_auto("chunk_rows") else ""
+        auto = " (automatic)" if runtime.is_auto("chunk_rows") else ""
         problems.append(
-            f"chunk_rows={config.chunk_rows:,}{auto}"
+            f"chunk_rows={runtime.chunk_rows:,}{auto}"
             f" x seq_len={config.seq_len:,} x {chunk_token_bytes(config.seq_len)} bytes a "
-            f"token = {_size(config.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
-            f"prefetch={config.prefetch} + 2 chunks each (in flight, being read, being "
+            f"token = {_size(runtime.chunk_bytes)} per chunk; {owned} stream(s) keep up to "
+            f"prefetch={runtime.prefetch} + 2 chunks each (in flight, being read, being "
             f"produced): {_size(chunk_need)}, more than {have}. Lower {lower}")
     if not problems and batch_need + chunk_need > total:
         problems.append(
             f"the batches ({_size(batch_need)}: {host_batches} x {host:,} rows x "
             f"seq_len={config.seq_len:,} x 6 fields x 4 bytes) and chunks ({_size(chunk_need)}: "
-            f"{owned} stream(s) x {per_stream} x chunk_rows={config.chunk_rows:,} rows) need "
+            f"{owned} stream(s) x {per_stream} x chunk_rows={runtime.chunk_rows:,} rows) need "
             f"{_size(batch_need + chunk_need)}, more than {have}. Lower global_batch_size, "
             f"chunk_rows or seq_len")
     if problems:

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.cache import cache_root, made_once
-from ingest.config import Config, SourceConfig
+from ingest.config import Config, RuntimeOptions, SourceConfig
 
 __all__ = ["demo_config", "write_demo_corpus"]
 
@@ -84,9 +84,8 @@ def demo_config(**overrides) -> Config:
     streams and its chunks grow to keep about 1M tokens a call, within the default object-store
     bound. The measured effect of each choice is in benchmarks/RESULTS.md.
     """
-    fields = dict(sources=(SourceConfig(paths=(write_demo_corpus(),), text_column="text"),),
-                  tokenizer="gpt2", seq_len=1024, global_batch_size=32, num_streams=16,
-                  packing="concat", num_epochs=3, unit_rows=8,
-                  workers=max(1, os.cpu_count() or 1))
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return Config(**fields)
+    config = Config(sources=(SourceConfig(paths=(write_demo_corpus(),), text_column="text"),),
+                    tokenizer="gpt2", seq_len=1024, global_batch_size=32, num_streams=16,
+                    packing="concat", num_epochs=3, unit_rows=8,
+                    runtime=RuntimeOptions(workers=max(1, os.cpu_count() or 1)))
+    return config.replace(**{k: v for k, v in overrides.items() if v is not None})

@@ -141,7 +141,8 @@ class MixedStream(ChunkStream):
     def __init__(self, config: Config, plan: UnitPlan, stream_id: int,
                  tokenizer: Tokenizer | None = None):
         super().__init__(config, plan, stream_id)
-        tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.tokenizer_backend)
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer,
+                                                config.runtime.tokenizer_backend)
         self.tokenizer = tokenizer
         self._weights = [float(s.weight) for s in config.sources]
         self._components = [_Component(Stream(config, plan, stream_id, tokenizer, source=i))

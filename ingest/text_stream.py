@@ -34,7 +34,8 @@ class Stream(ChunkStream):
                  tokenizer: Tokenizer | None = None, *, source: int | None = None):
         super().__init__(config, plan, stream_id)
         self.source = source
-        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.tokenizer_backend)
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer,
+                                                     config.runtime.tokenizer_backend)
         self.reader = UnitReader(config, plan, stream_id, self.tokenizer, source)
         self._rows = RowBuilder(config, self.tokenizer.eos_id)
         self.set_state(StreamState().to_json())

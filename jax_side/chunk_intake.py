@@ -21,6 +21,7 @@ from ingest.chunk import ChunkSource
 from ingest.chunk_format import FIELDS, RowPieces, batch_groups
 from ingest.config import Config
 from ingest.plan import UnitPlan
+from ingest.runtime import resolve_runtime
 from ingest.stream import Chunk
 from jax_side.feed_stats import PoolStats
 from jax_side.local_source import LocalSource
@@ -218,7 +219,7 @@ class ChunkIntake:
     def read_to_end(self) -> Iterator[tuple[int, int]]:
         """Reads every owned stream to its end, chunk by chunk: yields the real (rows, tokens)
         of each."""
-        n = max(1, self.config.chunk_rows)
+        n = resolve_runtime(self.config).chunk_rows
         scratch = np.empty((len(FIELDS), n, self.config.seq_len), np.int32)
         groups = batch_groups(scratch)
         seg = FIELDS.index("inputs_segmentation")

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 
 from ingest.config import Config, check_memory
 from ingest.plan import UnitPlan, build_plan
+from ingest.runtime import resolve_runtime
 from ingest.tokenize import load_tokenizer
 from jax_side.batch_assembly import (
     AssembledStep,
@@ -65,7 +66,7 @@ class HostFeed:
       sharding: a ``NamedSharding`` for ``[global_batch_size, seq_len]`` arrays; rows may be
         split over one or several mesh axes, tokens over another.
       backend: ``ray`` (worker actors; Ray must be initialized) or ``local`` (in-process).
-      workers: worker actors (default ``config.workers``); ignored by ``local``.
+      workers: worker actors (default ``config.runtime.workers``); ignored by ``local``.
       plan: the unit plan (built from the config when None).
       device_prefetch: finished global batches kept ready: enough to cover the step at which
         every stream needs a new chunk at once (benchmarks/RESULTS.md).
@@ -123,15 +124,18 @@ class HostFeed:
         # all stop after the same step (jax_side.end_of_data).
         self._agreement_timeout = agreement_timeout_s
         self._end = EndOfData(config, agreement_timeout_s)
-        config.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
-        # Load the tokenizer here first, so a bad spec fails on the driver, not on a worker.
-        load_tokenizer(config.tokenizer, config.tokenizer_backend)
-        config.log_runtime_choices()
+        runtime = resolve_runtime(config)
+        runtime.requests_in_flight(len(self._rows.streams))  # a budget too small fails here
+        # Load the tokenizer here first, so a bad spec (a backend not installed or not proven
+        # on the vocabulary) fails on the driver, not on a worker.
+        load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
+        runtime.log_choices()
         self.plan = plan if plan is not None else build_plan(config)
         self._device_prefetch = device_prefetch
         self._timeout = get_timeout_s
         self._intake = ChunkIntake(config, self.plan, self._rows.streams, backend=backend,
-                                   workers=workers if workers is not None else config.workers,
+                                   workers=workers if workers is not None
+                                   else config.runtime.workers,
                                    get_timeout_s=get_timeout_s, await_ray=await_ray,
                                    step_rows=config.batch_size_at(0) // config.num_streams)
         self._header = StateHeader.of(config, self.plan)
@@ -232,7 +236,7 @@ class HostFeed:
         reached) since the feed was built, restored or restarted, this restarts it from step 0:
         every ``for`` loop over a validation feed is one whole pass, the same batches each time.
         The consumer statistics keep counting over passes; ``passes`` counts the passes begun."""
-        if self.config.reset_after_epoch and self._pass_started:
+        if self.config.runtime.reset_after_epoch and self._pass_started:
             self._restart()
         return self
 

@@ -7,6 +7,7 @@ import time
 from ingest.chunk import SourceStats, StartAt
 from ingest.config import Config
 from ingest.plan import UnitPlan
+from ingest.runtime import resolve_runtime
 from ingest.stream import Chunk, open_stream
 
 __all__ = ["LocalSource"]
@@ -20,7 +21,7 @@ class LocalSource:
                  rows: int | None = None):
         self._config = config
         self._plan = plan
-        self._rows = rows or config.in_process_chunk_rows  # rows per chunk
+        self._rows = rows or resolve_runtime(config).in_process_chunk_rows  # rows per chunk
         self._streams = {s: open_stream(config, plan, s) for s in stream_ids}
         self._started_at = time.perf_counter()
         self._chunks = 0

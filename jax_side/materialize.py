@@ -40,7 +40,7 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
       config: a validated config with finite ``num_epochs``.
       out: the directory.
       backend: ``ray`` (worker actors; Ray must be initialized) or ``local`` (in-process).
-      workers: Ray worker actors (default ``config.workers``).
+      workers: Ray worker actors (default ``config.runtime.workers``).
       plan: the unit plan (built from the config when None).
       segment_rows: rows per segment file.
       progress: reports progress (``Progress``), or None.
@@ -48,8 +48,9 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
     if backend not in ("ray", "local"):
         raise ValueError(f"backend={backend!r} must be 'ray' or 'local'")
     check_memory(config, host_batches=0)  # chunks that cannot fit fail here, not in a worker
-    # Fail on the driver, before any worker starts, on a bad tokenizer spec.
-    load_tokenizer(config.tokenizer)
+    # Fail on the driver, before any worker starts, on a bad tokenizer spec (or a backend not
+    # installed, or not proven on the vocabulary).
+    load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
     plan = plan if plan is not None else build_plan(config)
 
     def open_source(stream_ids: list[int]):
@@ -59,8 +60,8 @@ def materialize_corpus(config: Config, out: str, *, backend: str = "ray",
             return LocalSource(config, plan, stream_ids)
         from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)
 
-        return WorkerPool(config, plan, stream_ids,
-                          num_workers=workers if workers is not None else config.workers)
+        return WorkerPool(config, plan, stream_ids, num_workers=workers if workers is not None
+                          else config.runtime.workers)
 
     return materialize(config, plan, out, open_source, segment_rows=segment_rows,
                        progress=progress)
@@ -181,7 +182,7 @@ def materialize_command(args) -> int:
 
         started_ray = not ray.is_initialized()
         # As `ingest run`: a local cluster gets at least one CPU per worker asked for.
-        start_ray(args.address, max(os.cpu_count() or 1, cfg.workers or 0))
+        start_ray(args.address, max(os.cpu_count() or 1, cfg.runtime.workers))
     progress = None if args.no_progress else Progress(cfg, plan, every_s=args.log_every)
     try:
         summary = materialize_corpus(cfg, args.out, backend=args.backend, plan=plan,

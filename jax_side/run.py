@@ -70,7 +70,7 @@ def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
     ray_started = None
     if args.backend == "ray":
         # Workers take one CPU each: a local cluster gets at least one per worker asked for.
-        workers = cfg.workers if cfg is not None else args.workers
+        workers = cfg.runtime.workers if cfg is not None else args.workers
         if workers is None and isinstance((args.overrides or {}).get("workers"), int):
             workers = args.overrides["workers"]  # the demo's, checked once it is built
         ray_started = RayStarter(args.address, max(os.cpu_count() or 1, workers or 0))
@@ -128,6 +128,7 @@ def run_command(args, *, make_lab: Callable[..., Any] | None = None) -> int:
     stats["first_step"] = start_step
     stats["last_step"] = step
     stats["tokenizer"] = _special_tokens(feed.config)
+    stats["runtime"] = _runtime_knobs(feed.config)
     if digest is not None:
         stats["digest"] = digest.hexdigest()
     return run_summary.report(args, stats, start_step)
@@ -244,9 +245,18 @@ def _special_tokens(config: Config) -> dict[str, Any]:
     process loaded it)."""
     from ingest.tokenize import bos_id_of, load_tokenizer  # noqa: PLC0415
 
-    tok = load_tokenizer(config.tokenizer, config.tokenizer_backend)
+    tok = load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
     return {"name": tok.name, "eos_id": tok.eos_id, "bos_id": bos_id_of(tok, config.bos),
             "bos": config.bos, "reason": tok.specials_reason}
+
+
+def _runtime_knobs(config: Config) -> dict[str, Any]:
+    """The knobs the run resolved (``ingest.runtime.resolve_runtime``), and the reason for
+    each automatic one."""
+    from ingest.runtime import AUTO_FIELDS, resolve_runtime  # noqa: PLC0415
+
+    runtime = resolve_runtime(config)
+    return {**{n: getattr(runtime, n) for n in AUTO_FIELDS}, "reasons": dict(runtime.reasons)}
 
 
 def _workers_run(feed) -> bool:
@@ -417,7 +427,8 @@ def _main(argv: list[str], *, dev: bool, as_json: bool,
         if args.hosts:
             from jax_side.local_hosts import launch_local_hosts  # noqa: PLC0415
 
-            return launch_local_hosts(argv, args, workers_per_host=config_from_args(args).workers)
+            workers = config_from_args(args).runtime.workers
+            return launch_local_hosts(argv, args, workers_per_host=workers)
         return run_command(args, make_lab=make_lab)
     except DevicesMismatchError as e:
         return fail(str(e), 2)

@@ -32,8 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ingest.chunk import ChunkSource, SourceStats, StartAt
-from ingest.config import CHUNK_TOKENS, Config
+from ingest.config import Config
 from ingest.plan import UnitPlan
+from ingest.runtime import CHUNK_TOKENS
 from ingest.stream import Chunk
 from jax_side.local_source import LocalSource
 

@@ -115,8 +115,8 @@ def make_config(paths: Sequence[str], **overrides: Any) -> Config:
                                   packing_bins=3, num_epochs=1, seed=7)
     source_kw = {k: overrides.pop(k) for k in ("text_column", "format") if k in overrides}
     fields.update(overrides)
-    return Config(sources=(SourceConfig(paths=tuple(str(p) for p in paths), **source_kw),),
-                  **fields)
+    return Config.from_dict(
+        {"sources": [SourceConfig(paths=tuple(str(p) for p in paths), **source_kw)], **fields})
 
 
 def tokenize(texts: Sequence[str], tokenizer: str = "gpt2") -> list[list[int]]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import ray
 
 from actors.worker import WORKER_ENV, StreamWorker, WorkerError, actor_class
-from ingest import Config, SourceConfig, build_plan
+from ingest import Config, RuntimeOptions, SourceConfig, build_plan
 from tests.helpers import write_parquet_corpus
 
 pytestmark = pytest.mark.ray
@@ -62,7 +60,8 @@ def test_feed_metrics_reach_rays_prometheus_endpoint_and_stats(ray_cluster, tmp_
 
     write_parquet_corpus(tmp_path, n_files=2, docs_per_file=60, row_group_size=10, seed=2)
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
-                 global_batch_size=16, num_streams=8, unit_rows=5, num_epochs=None, workers=2)
+                 global_batch_size=16, num_streams=8, unit_rows=5, num_epochs=None,
+                 runtime=RuntimeOptions(workers=2))
     sharding = batch_sharding(jax.make_mesh((len(jax.devices()),), ("data",)), "data")
     with HostFeed(cfg, sharding=sharding, backend="ray") as feed:
         for _, _ in zip(range(20), feed, strict=False):
@@ -87,7 +86,6 @@ def test_feed_metrics_reach_rays_prometheus_endpoint_and_stats(ray_cluster, tmp_
 
 
 def test_workers_bind_to_cpus_of_their_own_unless_told_not_to(ray_cluster, tmp_path):
-    import dataclasses
     import fcntl
     import os
     import tempfile
@@ -122,7 +120,7 @@ def test_workers_bind_to_cpus_of_their_own_unless_told_not_to(ray_cluster, tmp_p
     finally:
         for w in ws:
             ray.kill(w)
-    floating = actor_class(StreamWorker).remote(dataclasses.replace(cfg, pin_workers=False), plan, "f")
+    floating = actor_class(StreamWorker).remote(cfg.replace(pin_workers=False), plan, "f")
     try:
         assert ray.get(floating.__ray_call__.remote(probe), timeout=60) == (None, everything)
     finally:
@@ -135,7 +133,8 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
 
     write_parquet_corpus(tmp_path, n_files=1, docs_per_file=20, row_group_size=10, seed=1)
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=256,
-                 global_batch_size=4, num_streams=2, unit_rows=5, chunk_rows=64)
+                 global_batch_size=4, num_streams=2, unit_rows=5,
+                 runtime=RuntimeOptions(chunk_rows=64))
     plan = build_plan(cfg)
 
     class PrefaultProbe(StreamWorker):
@@ -163,7 +162,7 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
         return prefaulted, rss * 1024, prefault_shared("plasma", 1) > 0
 
     for on in (True, False):
-        pool = WorkerPool(dataclasses.replace(cfg, prefault_object_store=on), plan, [0, 1],
+        pool = WorkerPool(cfg.replace(prefault_object_store=on), plan, [0, 1],
                           num_workers=2, get_timeout_s=60, worker_cls=PrefaultProbe)
         try:
             # Two streams, three chunks each of 64 x 256 tokens of 14 bytes (two int32 token

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from actors.autoscale import AutoscalePolicy
-from ingest import BatchDigest, Config, SourceConfig
+from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig
 from jax_side import HostFeed, batch_sharding
 from tests.helpers import write_parquet_corpus
 
@@ -54,9 +54,9 @@ def test_autoscaled_pool_with_pending_workers_gives_the_unbroken_batches(ray_clu
     # max_workers=8 on a 4-CPU test cluster: some grown workers can never start. They must
     # stay pending without stalling any stream.
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
-                 global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10, chunk_rows=2,
-                 workers=1, autoscale=True, min_workers=1, max_workers=8,
-                 autoscale_window_s=0.05)
+                 global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10,
+                 runtime=RuntimeOptions(chunk_rows=2, workers=1, autoscale=True, min_workers=1,
+                                        max_workers=8, autoscale_window_s=0.05))
     sharding = _sharding()
     with HostFeed(cfg, sharding=sharding, backend="local") as feed:
         expected = digest(feed)
@@ -76,8 +76,8 @@ def test_workers_beyond_the_cluster_cpus_start_pending_and_the_batches_are_uncha
     # waited for workers that could never start, until the 300 s timeout.
     asked = int(ray.cluster_resources()["CPU"]) + 2
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path),)),), seq_len=32,
-                 global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10, chunk_rows=2,
-                 workers=asked)
+                 global_batch_size=16, num_streams=8, num_epochs=1, unit_rows=10,
+                 runtime=RuntimeOptions(chunk_rows=2, workers=asked))
     sharding = _sharding()
     with HostFeed(cfg, sharding=sharding, backend="local") as feed:
         expected = digest(feed)

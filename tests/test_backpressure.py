@@ -52,7 +52,7 @@ def _config(tmp_path, **kw) -> Config:
                   global_batch_size=16, num_streams=8, num_epochs=None, unit_rows=25,
                   chunk_rows=16, prefetch=8, workers=2)
     fields.update(kw)
-    return Config(**fields)
+    return Config.from_dict(fields)
 
 
 def test_object_store_stays_under_the_budget_while_the_consumer_pauses(ray_cluster, tmp_path):

@@ -636,7 +636,7 @@ def test_the_produce_split_counts_a_tokenizer_call_inside_another_once(tmp_path)
     pq.write_table(pa.table({"text": texts}), str(tmp_path / "a.parquet"), row_group_size=50)
     cfg = Config(sources=(SourceConfig(paths=(str(tmp_path / "a.parquet"),)),),
                  tokenizer="cl100k", seq_len=128, global_batch_size=8, num_streams=2)
-    assert load_tokenizer("cl100k", cfg.tokenizer_backend).backend == "toktok"
+    assert load_tokenizer("cl100k", cfg.runtime.tokenizer_backend).backend == "toktok"
     stream = Stream(cfg, build_plan(cfg), 0)
     prof = cProfile.Profile()
     prof.enable()

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import make_texts
 
-from ingest import BatchDigest, Config, SourceConfig, bpe_toktok
+from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig, bpe_toktok
 from ingest.bpe_backend import (
     FASTEST_FIRST,
     PROVEN,
@@ -399,9 +399,15 @@ def test_named_backends_are_checked():
         load_tokenizer("gpt2", "rs_bpe")
     with pytest.raises(ValueError, match=r"tokenizer_backend='nope' is unknown"):
         load_tokenizer("cl100k", "nope")
-    with pytest.raises(ConfigError, match=r"tokenizer_backend='rs_bpe' runs the cl100k"):
-        Config(sources=(SourceConfig(paths=("x",)),), tokenizer="gpt2",
-               tokenizer_backend="rs_bpe")
+    with pytest.raises(ConfigError, match=r"tokenizer_backend='nope' must be one of"):
+        RuntimeOptions(tokenizer_backend="nope")
+    # A backend not proven on the vocabulary is refused where the feed builds its tokenizer,
+    # on the driver, before any stream runs.
+    config = Config(sources=(SourceConfig(paths=("x",)),), tokenizer="gpt2",
+                    runtime=RuntimeOptions(tokenizer_backend="rs_bpe"))
+    sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
+    with pytest.raises(ValueError, match=r"tokenizer_backend='rs_bpe' is proven on tokenizer"):
+        HostFeed(config, sharding=sharding, backend="local")
 
 
 # -- the batches do not depend on the backend -----------------------------------------------
@@ -423,8 +429,8 @@ def corpus(tmp_path_factory):
 def run_digest(corpus, backend: str, feed_backend: str, tokenizer: str = "cl100k"
                ) -> tuple[str, int]:
     cfg = Config(sources=(SourceConfig(paths=tuple(corpus)),), tokenizer=tokenizer, seq_len=64,
-                 global_batch_size=16, num_streams=8, unit_rows=10, seed=4, chunk_rows=8,
-                 tokenizer_backend=backend)
+                 global_batch_size=16, num_streams=8, unit_rows=10, seed=4,
+                 runtime=RuntimeOptions(chunk_rows=8, tokenizer_backend=backend))
     sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
     d = BatchDigest()
     with HostFeed(cfg, sharding=sharding, backend=feed_backend, get_timeout_s=60) as feed:

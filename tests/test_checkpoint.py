@@ -153,7 +153,7 @@ def mid_chunk_step(run: UnbrokenRun) -> int:
     """A step (past the first) where every stream stopped inside a chunk."""
     k = run.config.rows_per_stream
     for step in range(2, run.num_steps):
-        if (step * k) % run.config.chunk_rows and all(
+        if (step * k) % run.config.runtime.chunk_rows and all(
                 s["taken"] > 0 for s in run.streams_at(step)):
             return step
     raise AssertionError("no step stops inside a chunk; change chunk_rows")

@@ -217,6 +217,12 @@ def test_run_prints_a_json_summary_with_sane_values(cli_run, backend, workers):
     assert s["backend"] == backend
     assert s["workers"] == (workers if backend == "ray" else 0)
     assert re.fullmatch(r"[0-9a-f]{64}", s["digest"]), s["digest"]
+    # The runtime knobs as the run resolved them: chunk_rows as given, the others automatic.
+    knobs = s["runtime"]
+    assert (knobs["chunk_rows"], knobs["streams_per_call"], knobs["prefetch"]) == (
+        3, 8 // (workers or 2), 2)
+    assert sorted(knobs["reasons"]) == ["prefetch", "streams_per_call"]
+    assert knobs["reasons"]["prefetch"].startswith("auto: ")
     # Two rates, named for what they mean; no stall without a training step (the loop does
     # nothing but wait for batches).
     lines = "\n".join(summary_lines(s))

@@ -223,7 +223,7 @@ def test_the_config_map_corpus_config_is_valid_and_floats_its_workers(tmp_path):
     path = tmp_path / "corpus.yaml"
     path.write_text(load("ingest-config.yaml")["data"]["corpus.yaml"], encoding="utf-8")
     cfg = load_config(str(path))
-    assert cfg.pin_workers is False  # pods share their nodes' CPUs
+    assert cfg.runtime.pin_workers is False  # pods share their nodes' CPUs
 
 
 # -- Dockerfile --------------------------------------------------------------------------------

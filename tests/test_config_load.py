@@ -17,6 +17,7 @@ from test_cli import cli_env, ingest_command
 
 from ingest import ConfigError, load_config
 from ingest.config import check_memory, machine_memory
+from ingest.runtime import resolve_runtime
 
 BASE = "sources:\n  - paths: [data]\nseq_len: 32\nglobal_batch_size: 8\nnum_streams: 4\n"
 DEADLINE_S = 120
@@ -89,7 +90,7 @@ def test_check_memory_passes_sizes_that_fit_and_names_the_machines_memory(tmp_pa
     check_memory(config)  # 8 rows of 32 tokens
     # The same sizes against a memory just below their need: 6 batches of six int32 fields,
     # and 4 x 4 chunks of 14 bytes a token (two int32 token fields, three uint16 layout ones).
-    need = (6 * 8 * 24 + 4 * 4 * config.chunk_rows * 14) * 32
+    need = (6 * 8 * 24 + 4 * 4 * resolve_runtime(config).chunk_rows * 14) * 32
     check_memory(config, memory=(need, "a test budget"))
     with pytest.raises(ConfigError, match=r"the batches \(36.0 KiB: 6 x 8 rows x seq_len=32 x 6 "
                                           r"fields x 4 bytes\) and chunks .* more than this "

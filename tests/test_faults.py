@@ -12,7 +12,7 @@ import ray
 
 from actors import faults
 from actors.pool import WorkerPool
-from ingest import BatchDigest, Config, SourceConfig, StreamError, build_plan
+from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig, StreamError, build_plan
 from ingest.stream import Stream
 from jax_side import HostFeed, batch_sharding
 from tests.helpers import (
@@ -38,7 +38,7 @@ def _config(corpus, **kw) -> Config:
                   global_batch_size=16, num_streams=8, num_epochs=2, unit_rows=10,
                   chunk_rows=2, prefetch=2, workers=2)
     fields.update(kw)
-    return Config(**fields)
+    return Config.from_dict(fields)
 
 
 def _digests(feed: HostFeed, on_step=None) -> list[str]:
@@ -139,7 +139,7 @@ def test_a_worker_that_raises_mid_chunk_is_replaced_and_batches_do_not_change(
     cfg = _config(corpus, num_epochs=1, streams_per_call=streams_per_call)
     plan = build_plan(cfg)
     # Odd, so the failure lands mid-chunk (chunk_rows=2); past the first requests in flight.
-    at = (cfg.prefetch + 3) * cfg.chunk_rows + 1
+    at = (cfg.runtime.prefetch + 3) * cfg.runtime.chunk_rows + 1
     pool = WorkerPool(cfg, plan, list(range(8)), num_workers=2, get_timeout_s=60,
                       worker_cls=failing_worker(5, at, str(tmp_path / "failed")))
     try:
@@ -260,8 +260,9 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
         return Config(sources=(SourceConfig(paths=(str(tmp_path / name / "a"),), weight=2.0),
                                SourceConfig(paths=(str(tmp_path / name / "b"),))),
                       seq_len=32, global_batch_size=4, num_streams=2, unit_rows=10,
-                      num_epochs=1, on_bad_document="skip", chunk_rows=3, prefetch=1,
-                      streams_per_call=streams_per_call)
+                      num_epochs=1, on_bad_document="skip",
+                      runtime=RuntimeOptions(chunk_rows=3, prefetch=1,
+                                             streams_per_call=streams_per_call))
 
     cfg, ref_cfg = config("poisoned"), config("nulled")
     plan, ref_plan = build_plan(cfg), build_plan(ref_cfg)

@@ -73,7 +73,8 @@ def make_config(paths, **overrides: Any) -> Config:
                                   # 3 rows per chunk: chunks straddle steps (k = 2).
                                   chunk_rows=3, prefetch=2, workers=2)
     fields.update(overrides)
-    return Config(sources=(SourceConfig(paths=tuple(str(p) for p in paths)),), **fields)
+    return Config.from_dict({"sources": [SourceConfig(paths=tuple(str(p) for p in paths))],
+                             **fields})
 
 
 # -- driving a feed under a deadline ------------------------------------------------------

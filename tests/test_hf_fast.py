@@ -27,7 +27,7 @@ import tokenizers
 from helpers import make_texts
 from test_bpe_backend import stdlib_texts
 
-from ingest import BatchDigest, Config, SourceConfig
+from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig
 from ingest.bpe_backend import FastBPETokenizer, adversarial_texts
 from ingest.bpe_tuetoken import _LLAMA3_PATTERN, _QWEN2_PATTERN, _tokenizer_spec
 from ingest.tokenize import HFTokenizer, bos_id_of, load_tokenizer
@@ -215,7 +215,7 @@ def test_files_that_cannot_be_loaded_faithfully_say_what_to_give(tmp_path):
 def _digest(corpus: list[str], tokenizer: str, backend: str) -> tuple[str, int]:
     cfg = Config(sources=(SourceConfig(paths=tuple(corpus)),), tokenizer=tokenizer,
                  seq_len=64, global_batch_size=16, num_streams=8, unit_rows=10, seed=4,
-                 chunk_rows=8, tokenizer_backend=backend)
+                 runtime=RuntimeOptions(chunk_rows=8, tokenizer_backend=backend))
     sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
     d = BatchDigest()
     with HostFeed(cfg, sharding=sharding, backend="local", get_timeout_s=60) as feed:

@@ -61,7 +61,8 @@ def replay_config(out, config: Config, **changes) -> Config:
     fields = dict(seq_len=config.seq_len, num_streams=config.num_streams,
                   global_batch_size=config.global_batch_size, chunk_rows=5)
     fields.update(changes)
-    return Config(sources=(SourceConfig(paths=(str(out),), kind="materialized"),), **fields)
+    return Config.from_dict({"sources": [SourceConfig(paths=(str(out),), kind="materialized")],
+                             **fields})
 
 
 def stream_rows(out) -> list[np.ndarray]:

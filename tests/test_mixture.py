@@ -28,8 +28,9 @@ def _config(paths, weights, **kw):
     fields = dict(seq_len=SEQ, global_batch_size=4, num_streams=2, unit_rows=4, seed=3,
                   num_epochs=None)
     fields.update(kw)
-    return Config(sources=tuple(SourceConfig(paths=(p,), weight=w)
-                                for p, w in zip(paths, weights, strict=True)), **fields)
+    return Config.from_dict({"sources": [SourceConfig(paths=(p,), weight=w)
+                                         for p, w in zip(paths, weights, strict=True)],
+                             **fields})
 
 
 def _component_rows(config, plan, stream_id, source, n):
@@ -195,7 +196,7 @@ def test_mixture_feed_on_ray_workers_matches_local_and_reports_proportions(ray_c
     assert digests["local"] == digests["ray"]
     st = stats["ray"]
     # Counted as of the last chunk of each stream taken whole: at most a chunk per stream behind.
-    lag = config.num_streams * config.chunk_rows * config.seq_len
+    lag = config.num_streams * config.runtime.chunk_rows * config.seq_len
     assert st["tokens"] - lag <= sum(st["tokens_by_source"]) <= st["tokens"]
     assert len(st["source_proportions"]) == 2 and abs(st["source_proportions"][0] - 0.75) < 0.05
 

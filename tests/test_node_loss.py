@@ -45,7 +45,7 @@ FEED = dict(seq_len=32, global_batch_size=16, num_streams=8, num_epochs=2, unit_
 
 
 def feed_config(corpus: Path) -> Config:
-    return Config(sources=(SourceConfig(paths=(str(corpus),)),), **FEED)
+    return Config.from_dict({"sources": [SourceConfig(paths=(str(corpus),))], **FEED})
 
 
 def sharding():

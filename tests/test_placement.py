@@ -7,7 +7,7 @@ import collections
 import pytest
 
 from actors.placement import group_streams, idle_workers, place_groups, uneven_share
-from ingest.config import streams_per_call_for
+from ingest.runtime import streams_per_call_for
 
 
 def _place(streams: int, workers: int) -> dict[int, str]:

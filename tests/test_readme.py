@@ -154,7 +154,7 @@ def test_readme_config_block_is_valid(tmp_path):
                                  seed=1)
     (tmp_path / "corpus.yaml").write_text(blocks[0])
     config = load_config(str(tmp_path / "corpus.yaml"))
-    assert config.seq_len == raw["seq_len"] and config.workers == raw["workers"]
+    assert config.seq_len == raw["seq_len"] and config.runtime.workers == raw["workers"]
 
 
 def test_every_docs_page_is_linked_from_readme():

@@ -45,8 +45,8 @@ def _root(tmp_root: str) -> dict[str, Config]:
     summary = materialize_corpus(text.replace(num_epochs=1), str(out), backend="local",
                                  segment_rows=7)
     assert summary.complete
-    replay = Config(sources=(SourceConfig(paths=(str(out),), kind="materialized"),),
-                    **FEED)
+    replay = Config.from_dict({"sources": [SourceConfig(paths=(str(out),), kind="materialized")],
+                               **FEED})
     return {"text": text, "mixture": mixture, "replay": replay}
 
 

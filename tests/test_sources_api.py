@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import assert_resumes_identically, drain, make_texts, next_row, write_parquet
 
-from ingest import BatchDigest, Config, SourceConfig, build_plan
+from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig, build_plan
 from ingest.errors import BadInputError, ConfigError
 from ingest.stream import open_stream
 from ingest.tokenize import load_tokenizer
@@ -23,7 +23,7 @@ FIELDS = dict(seq_len=24, global_batch_size=4, num_streams=2, unit_rows=5, seed=
 
 
 def _config(source: SourceConfig, **kw) -> Config:
-    return Config(sources=(source,), **dict(FIELDS, **kw))
+    return Config.from_dict({"sources": [source], **FIELDS, **kw})
 
 
 def _ids(texts):
@@ -132,7 +132,7 @@ def test_in_memory_mixture_feeds_a_mesh_on_ray_workers_like_local(ray_cluster, t
     other = make_texts(30, seed=9, max_words=60)
     config = Config(sources=(SourceConfig(table={"text": texts}, weight=2.0),
                              SourceConfig(table={"ids": _ids(other)}, tokens_column="ids")),
-                    **dict(FIELDS, global_batch_size=8, chunk_rows=2))
+                    **dict(FIELDS, global_batch_size=8), runtime=RuntimeOptions(chunk_rows=2))
     sharding = batch_sharding(jax.make_mesh((8,), ("data",)), "data")
     digests = {}
     for backend in ("local", "ray"):

@@ -31,6 +31,7 @@ from helpers import (
 from ingest import Stream, build_plan
 from ingest.chunk_format import RowPieces, batch_groups
 from ingest.deal import deal_units
+from ingest.runtime import resolve_runtime
 from ingest.stream_rows import RowBuilder
 
 EOS = 50256  # gpt2's <|endoftext|>
@@ -96,10 +97,11 @@ def test_resume_across_epoch_boundary_keeps_the_carried_partial_row(corpus, pack
 def test_a_chunk_keeps_its_fields_in_the_bytes_the_object_store_bound_counts(corpus, packing,
                                                                             shift):
     config = corpus_config(corpus, packing=packing, shift=shift, chunk_rows=4)
-    chunk = Stream(config, build_plan(config), 0).produce(config.chunk_rows)
-    assert chunk.num_rows == config.chunk_rows
+    runtime = resolve_runtime(config)
+    chunk = Stream(config, build_plan(config), 0).produce(runtime.chunk_rows)
+    assert chunk.num_rows == runtime.chunk_rows == 4
     assert chunk.tokens.dtype == np.int32 and chunk.layout.dtype == np.uint16
-    assert chunk.tokens.nbytes + chunk.layout.nbytes == config.chunk_bytes
+    assert chunk.tokens.nbytes + chunk.layout.nbytes == runtime.chunk_bytes
     fields = chunk.fields
     out = np.full((len(F), 7, config.seq_len), -1, np.int32)
     pieces = RowPieces(config.seq_len)

@@ -36,7 +36,7 @@ def _config(corpus, **kw) -> Config:
                   global_batch_size=16, num_streams=8, num_epochs=2, unit_rows=10,
                   chunk_rows=4, prefetch=2, workers=2)
     fields.update(kw)
-    return Config(**fields)
+    return Config.from_dict(fields)
 
 
 def _sharding():
