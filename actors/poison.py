@@ -17,10 +17,10 @@ import ray
 from actors.calls import WORKER_LOST, get_within, raise_worker_error
 from actors.mailbox import Mailbox
 from actors.placement import Placement
-from ingest.chunk import StartAt
 from ingest.config import Config
-from ingest.plan import UnitPlan
-from ingest.stream import open_stream
+from ingest.plan.build import UnitPlan
+from ingest.stream.chunk import StartAt
+from ingest.stream.kinds import open_stream
 
 __all__ = ["PoisonLocator", "describe_position"]
 

@@ -36,11 +36,11 @@ from actors.poison import PoisonLocator
 from actors.recovery import WorkerRecovery
 from actors.resize import PoolResizing
 from actors.worker import StreamWorker, WorkerError
-from ingest.chunk import SourceStats, StartAt
 from ingest.config import Config
-from ingest.plan import UnitPlan
+from ingest.plan.build import UnitPlan
 from ingest.runtime import resolve_runtime
-from ingest.stream import Chunk
+from ingest.stream.chunk import SourceStats, StartAt
+from ingest.stream.kinds import Chunk
 
 __all__ = ["WorkerPool"]
 
@@ -53,7 +53,7 @@ PREFAULT_MAX_BYTES = 1 << 30
 
 class WorkerPool:
     """Ray workers producing chunks for the streams ``stream_ids`` (an
-    ``ingest.chunk.ChunkSource``).
+    ``ingest.stream.chunk.ChunkSource``).
 
     Args:
       config: the validated config (its runtime options resolved here:

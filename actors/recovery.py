@@ -22,10 +22,10 @@ from actors.in_flight import InFlightRequests
 from actors.metrics import HostMetrics
 from actors.placement import Placement
 from actors.poison import PoisonLocator, describe_position
-from ingest.chunk import StartAt
 from ingest.config import Config
 from ingest.errors import StreamError
-from ingest.plan import UnitPlan
+from ingest.plan.build import UnitPlan
+from ingest.stream.chunk import StartAt
 
 __all__ = ["WorkerRecovery"]
 

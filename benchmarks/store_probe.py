@@ -38,11 +38,11 @@ class Producer:
         os.sched_setaffinity(0, {core})
         from benchmarks.corpus import make_spec
         from ingest.config import Config
-        from ingest.plan import build_plan
-        from ingest.process import one_cpu_producer
+        from ingest.plan.build import build_plan
         from ingest.runtime import resolve_runtime
-        from ingest.stream import open_stream
-        from ingest.tokenize import load_tokenizer
+        from ingest.stream.kinds import open_stream
+        from ingest.stream.process import one_cpu_producer
+        from ingest.tokenize.tokenizer import load_tokenizer
 
         one_cpu_producer()
         spec = make_spec(None, quick=False, steps=None)

@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("tokenizers", nargs="+")
     parser.add_argument("--chars", type=int, default=8_000_000)
     args = parser.parse_args()
-    from ingest.tokenize import load_tokenizer
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     texts = stdlib_documents(args.chars)
     print(f"{len(texts)} documents, {sum(map(len, texts)):,} characters, "

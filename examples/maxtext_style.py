@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("ray", "local"), default="ray")
     args = p.parse_args(argv)
     if args.backend == "ray":
-        from jax_side.ray_cluster import start_ray
+        from actors.ray_cluster import start_ray
 
         start_ray(None)
     config = demo_config(seq_len=64, global_batch_size=8, num_streams=4, workers=2)

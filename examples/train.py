@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest.config import load_config
 from ingest.demo import demo_config
-from ingest.tokenize import load_tokenizer
+from ingest.tokenize.tokenizer import load_tokenizer
 from jax_side import HostFeed, batch_sharding, checkpoint
 
 

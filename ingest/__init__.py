@@ -1,13 +1,13 @@
 """ingest: the pure core of the feed (no Ray, no JAX): config, plan, tokenizers, pack, shift,
 streams and their state."""
 
-from ingest.chunk_format import FIELDS
 from ingest.config import Config, SourceConfig, load_config
 from ingest.digest import BatchDigest, step_digest
 from ingest.errors import BadInputError, ConfigError, StreamError
-from ingest.plan import UnitPlan, build_plan
+from ingest.plan.build import UnitPlan, build_plan
 from ingest.runtime import RuntimeOptions
-from ingest.stream import Chunk, Stream, open_stream
+from ingest.stream.chunk_format import FIELDS
+from ingest.stream.kinds import Chunk, Stream, open_stream
 
 __all__ = [
     "FIELDS", "BadInputError", "BatchDigest", "Chunk", "Config", "ConfigError", "RuntimeOptions",

@@ -138,7 +138,7 @@ class Config:
         """The fields that determine the batches, as JSON: every field but ``runtime``.
 
         Source weights are left out: a mixture may change them on resume (the streams keep
-        their positions; see ``ingest.mixture``)."""
+        their positions; see ``ingest.stream.mixture``)."""
         d = _batch_fields(self)
         for s in d["sources"]:
             s.pop("weight", None)

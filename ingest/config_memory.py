@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ingest.chunk_format import chunk_token_bytes
 from ingest.errors import ConfigError
 from ingest.runtime import resolve_runtime
+from ingest.stream.chunk_format import chunk_token_bytes
 
 __all__ = ["check_memory", "machine_memory"]
 
@@ -49,7 +49,7 @@ def check_memory(config: Any, *, streams: int | None = None,
     """Refuses batch and chunk sizes whose buffers cannot fit in this machine's memory.
 
     A batch's row is ``seq_len x 6 fields x 4 bytes``, a chunk's ``seq_len x
-    ingest.chunk_format.chunk_token_bytes``. A host keeps ``host_batches`` batches of its
+    ingest.stream.chunk_format.chunk_token_bytes``. A host keeps ``host_batches`` batches of its
     rows (its ``streams``' share of the largest global batch, ``batch_rampup`` included); each
     of the streams keeps ``prefetch`` chunks in flight, one being read and one being produced
     (``chunk_rows`` rows each), on this machine with the local backend or a one-machine

@@ -24,8 +24,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ingest.chunk_format import chunk_token_bytes
 from ingest.errors import ConfigError
+from ingest.stream.chunk_format import chunk_token_bytes
 
 __all__ = ["AUTO_FIELDS", "TOKENIZER_BACKENDS", "ResolvedRuntime", "RuntimeOptions",
            "resolve_runtime", "streams_per_call_for"]
@@ -47,7 +47,7 @@ AUTO_BUDGET_MB = 1024
 AUTO_FIELDS = ("chunk_rows", "streams_per_call", "prefetch")
 
 # The names ``tokenizer_backend`` takes, fastest backend first after the reference. The
-# backends themselves (``ingest.bpe_backend``) are loaded when the tokenizer is built, which
+# backends themselves (``ingest.tokenize.bpe_backend``) are loaded when the tokenizer is built, which
 # also checks that the one named is installed and proven on the vocabulary.
 TOKENIZER_BACKENDS = ("auto", "tiktoken", "toktok", "tuetoken", "rs_bpe", "bpe_openai",
                       "riptoken")
@@ -90,7 +90,7 @@ class RuntimeOptions:
         ``tiktoken`` (the reference: tiktoken, or HF tokenizers for a ``tokenizer.json``),
         ``toktok``, ``rs_bpe`` or ``bpe_openai`` (cl100k only), ``tuetoken`` (gpt2 and the
         ``tokenizer.json`` files of proven families) or ``riptoken`` (gpt2 only; see
-        ``ingest.bpe_backend``). The ids are the same with every backend.
+        ``ingest.tokenize.bpe_backend``). The ids are the same with every backend.
       reset_after_epoch: with ``num_epochs: 1``, iterating the feed again (a new ``for`` loop)
         after it delivered a batch restarts it from the beginning (validation feeds). The
         batches of a pass are the same either way.
@@ -215,7 +215,7 @@ class ResolvedRuntime:
     @property
     def chunk_bytes(self) -> int:
         """Object-store bytes of one chunk: ``chunk_rows x seq_len`` tokens of
-        ``ingest.chunk_format.chunk_token_bytes`` each."""
+        ``ingest.stream.chunk_format.chunk_token_bytes`` each."""
         return chunk_token_bytes(self.seq_len) * self.chunk_rows * self.seq_len
 
     def requests_in_flight(self, owned_streams: int) -> int:

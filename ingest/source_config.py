@@ -28,12 +28,12 @@ class SourceConfig:
         files, for notebooks and tests; ``paths`` stays empty. Its content hash stands for it
         in fingerprints, so checkpoints notice a different table.
       weight: mixing weight (> 0): with several sources, each stream takes rows from each
-        source in proportion to ``weight`` in tokens (``ingest.mixture``); to pool files
+        source in proportion to ``weight`` in tokens (``ingest.stream.mixture``); to pool files
         without weights, list them in one source.
       format: ``parquet``, ``arrow`` (IPC file / Feather v2, or IPC stream: told apart by the
         file's first bytes) or ``jsonl``; None picks by suffix.
       kind: ``files`` (text documents) or ``materialized`` (one directory written by
-        ``ingest materialize``, replayed row for row by ``ingest.replay``; alone, never mixed).
+        ``ingest materialize``, replayed row for row by ``ingest.materialize.replay``; alone, never mixed).
     """
 
     paths: tuple[str, ...] = ()

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ingest.chunk_format import FIELDS, RowPieces, batch_groups
+from ingest.stream.chunk_format import FIELDS, RowPieces, batch_groups
 from jax_side.chunk_intake import ChunkIntake
 from jax_side.host_buffers import aligned_empty
 from jax_side.sharding import HostRows
@@ -46,7 +46,7 @@ class LocalBatch:
     """One step's rows of this host.
 
     Attributes:
-      fields: ``[6, rows, seq_len]``, the fields in ``ingest.chunk_format.FIELDS`` order.
+      fields: ``[6, rows, seq_len]``, the fields in ``ingest.stream.chunk_format.FIELDS`` order.
       real_rows: rows taken from the streams.
       padding_rows: all-zero rows of streams that ended.
     """

@@ -1,6 +1,6 @@
 """Chunk intake: the chunks of a host's owned streams and where the host is in each stream.
 
-A chunk source (``ingest.chunk.ChunkSource``: Ray's ``actors.pool.WorkerPool``, the warm
+A chunk source (``ingest.stream.chunk.ChunkSource``: Ray's ``actors.pool.WorkerPool``, the warm
 start, or ``LocalSource`` in this process) gives the next chunk of a stream on request. ``ChunkIntake`` keeps one ``StreamCursor`` per owned
 stream and copies rows from the current chunks into a batch; a stream's state is saved at chunk
 ends, so a cursor is that state plus the rows taken past it::
@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from ingest.chunk import ChunkSource
-from ingest.chunk_format import FIELDS, RowPieces, batch_groups
 from ingest.config import Config
-from ingest.plan import UnitPlan
+from ingest.plan.build import UnitPlan
 from ingest.runtime import resolve_runtime
-from ingest.stream import Chunk
+from ingest.stream.chunk import ChunkSource
+from ingest.stream.chunk_format import FIELDS, RowPieces, batch_groups
+from ingest.stream.kinds import Chunk
+from ingest.stream.local_source import LocalSource
 from jax_side.feed_stats import PoolStats
-from jax_side.local_source import LocalSource
 
 __all__ = ["ChunkIntake", "ChunkSource", "LocalSource", "StreamCursor"]
 
@@ -82,7 +82,7 @@ class ChunkIntake:
       workers: Ray worker actors of the pool.
       get_timeout_s: the longest one chunk may take (ray).
       await_ray: returns once Ray is up (raises what starting it raised). Given, the host
-        makes the first chunks itself until the pool's workers run (``jax_side.warm_start``).
+        makes the first chunks itself until the pool's workers run (``actors.warm_start``).
       step_rows: rows of each stream per step (the host's chunks while Ray starts).
 
     Attributes:
@@ -114,7 +114,7 @@ class ChunkIntake:
         if self.backend == "local":
             src: ChunkSource = LocalSource(self.config, self.plan, ids)
         else:
-            from jax_side.ray_cluster import import_ray  # noqa: PLC0415
+            from actors.ray_cluster import import_ray  # noqa: PLC0415
 
             import_ray()  # a Ray that does not import fails here, saying so
             from actors.pool import WorkerPool  # noqa: PLC0415 (Ray only when asked for)
@@ -124,7 +124,7 @@ class ChunkIntake:
                                   get_timeout_s=self._timeout)
 
             if self._await_ray is not None:
-                from jax_side.warm_start import WarmStartSource  # noqa: PLC0415
+                from actors.warm_start import WarmStartSource  # noqa: PLC0415
 
                 src = WarmStartSource(self.config, self.plan, ids, await_ray=self._await_ray,
                                       make_pool=make_pool, workers=self.workers,

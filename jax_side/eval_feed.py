@@ -1,6 +1,6 @@
 """EvalFeed: evaluation requests as global ``jax.Array`` batches, sorted by length.
 
-Every process tokenizes every request and builds the same plan (``ingest.evaluation``): the
+Every process tokenizes every request and builds the same plan (``ingest.evaluation.requests``): the
 global sorted order needs every sequence's length, and tokenizing an eval set is seconds
 (tiktoken GPT-2: millions of tokens/s per core), so this costs less than a collective
 and no process ever waits for another. Each process then fills only the rows its devices hold,
@@ -24,10 +24,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ingest.chunk_format import FIELDS
-from ingest.eval_plan import EvalPlan, plan_batches
-from ingest.evaluation import INDEX_FIELDS, EvalConfig, Request, tokenize_requests
-from ingest.tokenize import Tokenizer
+from ingest.evaluation.batches import EvalPlan, plan_batches
+from ingest.evaluation.requests import INDEX_FIELDS, EvalConfig, Request, tokenize_requests
+from ingest.stream.chunk_format import FIELDS
+from ingest.tokenize.tokenizer import Tokenizer
 from jax_side.sharding import host_rows
 
 __all__ = ["EvalFeed"]
@@ -48,11 +48,11 @@ def _axis_size(sharding: NamedSharding, dim: int) -> int:
 class EvalFeed:
     """Iterates the global batches of an eval set; can be iterated again (every eval).
 
-    Each batch is a dict of int32 ``jax.Array``: the six fields of ``ingest.chunk_format.FIELDS``,
+    Each batch is a dict of int32 ``jax.Array``: the six fields of ``ingest.stream.chunk_format.FIELDS``,
     ``[global_batch_size, width]`` (width varies per batch: a multiple of
     ``config.padding_multiple``), and ``document_idx``, ``sequence_idx``,
     ``[global_batch_size]`` (-1 on the empty rows that pad the last batch). Use
-    ``targets_segmentation`` as the loss mask and ``ingest.evaluation.sum_by_request`` to map
+    ``targets_segmentation`` as the loss mask and ``ingest.evaluation.requests.sum_by_request`` to map
     per-row scores back to requests.
 
     Args:

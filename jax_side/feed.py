@@ -33,9 +33,9 @@ import jax
 from jax.sharding import NamedSharding
 
 from ingest.config import Config, check_memory
-from ingest.plan import UnitPlan, build_plan
+from ingest.plan.build import UnitPlan, build_plan
 from ingest.runtime import resolve_runtime
-from ingest.tokenize import load_tokenizer
+from ingest.tokenize.tokenizer import load_tokenizer
 from jax_side.batch_assembly import (
     AssembledStep,
     LocalBatch,
@@ -76,7 +76,7 @@ class HostFeed:
       await_ray: (ray) a call that returns once Ray is up, or raises what starting it raised
         (for a feed built while ``ray.init`` runs on another thread; ``lambda: None`` when Ray
         is up). Given, this process makes the first chunks itself until the workers run, then
-        hands each stream to them where it is (``jax_side.warm_start``); the batches are the
+        hands each stream to them where it is (``actors.warm_start``); the batches are the
         same.
 
     With several JAX processes, each builds one on the same global sharding and iterates it in

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ingest.chunk import ChunkSource, SourceStats
-from ingest.plan import UnitPlan
-from ingest.replay import MaterializedPlan
+from ingest.materialize.replay import MaterializedPlan
+from ingest.plan.build import UnitPlan
+from ingest.stream.chunk import ChunkSource, SourceStats
 
 __all__ = ["FeedCounters", "PoolStats", "steady_window_start", "stream_counters"]
 
@@ -174,7 +174,7 @@ class PoolStats:
             "object_store_bytes_peak": st.bytes_peak,
             "rows_per_s_by_worker": self._rates(st.rows_by_worker, st.started_at, now),
             "rows_per_s_by_stream": self._rates(st.rows_by_stream, st.started_at, now),
-            # Rows this process made itself while Ray started (jax_side.warm_start).
+            # Rows this process made itself while Ray started (actors.warm_start).
             "warm_start_rows": st.host_rows,
         }
 

@@ -5,7 +5,7 @@ MaxText's input pipeline, for one, takes per-host batches and makes each field a
 with ``jax.make_array_from_process_local_data`` on its own mesh. ``HostLocalFeed`` hands it the
 rows that call expects: the rows of the global batch that this process's devices hold under
 ``sharding``, ``[start, stop)`` of ``host_rows``, in global row order, the six fields of
-``ingest.chunk_format.FIELDS``::
+``ingest.stream.chunk_format.FIELDS``::
 
     B=8, 2 processes     global rows 0 1 2 3 | 4 5 6 7
                          process 0 yields rows 0-3, process 1 rows 4-7, each [4, seq_len]
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ingest.chunk_format import FIELDS
 from ingest.config import Config
+from ingest.stream.chunk_format import FIELDS
 from jax_side.feed import HostFeed
 from jax_side.sharding import HostRows
 

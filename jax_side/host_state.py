@@ -2,7 +2,7 @@
 
 ``jax_side.feed.HostFeed`` writes and restores the state; ``jax_side.checkpoint`` saves it
 with orbax. Both check it here, which needs neither JAX nor orbax; each kind of stream checks
-its own saved state (``check_state``, ``ingest.state_check``).
+its own saved state (``check_state``, ``ingest.stream.state_check``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 from typing import Any
 
 from ingest.config import Config
-from ingest.state_check import StateInvalid, StateRanges, count, describe
-from ingest.stream import stream_kind
-from ingest.units import UnitPlan
+from ingest.plan.units import UnitPlan
+from ingest.stream.kinds import stream_kind
+from ingest.stream.state_check import StateInvalid, StateRanges, count, describe
 
 __all__ = ["HOST_STATE_VERSION", "StateHeader", "check_compatible", "check_restorable",
            "validate_state"]

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ingest.config import Config
-from ingest.deal import deal_units
-from ingest.plan import UnitPlan
-from ingest.replay import MaterializedPlan
+from ingest.materialize.replay import MaterializedPlan
+from ingest.plan.build import UnitPlan
+from ingest.plan.deal import deal_units
 
 __all__ = ["BYTES_PER_TOKEN", "DEALT_EPOCHS", "IteratorLength", "LengthEstimator",
            "steps_covering"]
@@ -64,7 +64,7 @@ class LengthEstimator:
 
     Args:
       config: the validated config.
-      plan: the unit plan, or a materialized directory's (``ingest.replay``).
+      plan: the unit plan, or a materialized directory's (``ingest.materialize.replay``).
     """
 
     def __init__(self, config: Config, plan: UnitPlan):
@@ -85,7 +85,7 @@ class LengthEstimator:
         if ended_at is not None:
             return IteratorLength(ended_at, True, "this pass has ended")
         if isinstance(self.plan, MaterializedPlan):
-            # A materialized directory (ingest.replay): its manifest counts every stream's rows.
+            # A materialized directory (ingest.materialize.replay): its manifest counts every stream's rows.
             num_rows = self.plan.units.num_rows
             rows = np.array([num_rows[list(units)].sum() for units in self.plan.stream_units],
                             np.int64) * c.num_epochs

@@ -78,7 +78,7 @@ def launch_local_hosts(argv: list[str], args: argparse.Namespace, *,
     if args.backend == "ray" and not (args.address or os.environ.get("RAY_ADDRESS")):
         import ray
 
-        from jax_side.ray_cluster import start_ray
+        from actors.ray_cluster import start_ray
 
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
         # Logical CPUs: every host's workers must be placeable, else actors wait forever for

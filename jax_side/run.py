@@ -23,12 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ingest.cli import config_from_args, parse_args
-from ingest.config import Config, ConfigError
-from ingest.digest import BatchDigest, step_digest
-from ingest.errors import BadInputError, StreamError
-from jax_side import run_summary
-from jax_side.ray_cluster import (
+from actors.ray_cluster import (
     ClusterUnreachableError,
     Interrupted,
     RayStarter,
@@ -36,6 +31,11 @@ from jax_side.ray_cluster import (
     prepare_ray_environment,
     start_ray,
 )
+from ingest.cli import config_from_args, parse_args
+from ingest.config import Config, ConfigError
+from ingest.digest import BatchDigest, step_digest
+from ingest.errors import BadInputError, StreamError
+from jax_side import run_summary
 
 __all__ = ["main", "run_command", "start_ray"]
 
@@ -243,7 +243,7 @@ def _feed_loop(args, feed, manager, digest: BatchDigest | None, start_step: int,
 def _special_tokens(config: Config) -> dict[str, Any]:
     """The ids the run put around documents, and why (the tokenizer is cached where this
     process loaded it)."""
-    from ingest.tokenize import bos_id_of, load_tokenizer  # noqa: PLC0415
+    from ingest.tokenize.tokenizer import bos_id_of, load_tokenizer  # noqa: PLC0415
 
     tok = load_tokenizer(config.tokenizer, config.runtime.tokenizer_backend)
     return {"name": tok.name, "eos_id": tok.eos_id, "bos_id": bos_id_of(tok, config.bos),
@@ -421,7 +421,7 @@ def _main(argv: list[str], *, dev: bool, as_json: bool,
         if args.command == "bench":
             return _bench(argv)
         if args.command == "materialize":
-            from jax_side.materialize import materialize_command  # noqa: PLC0415
+            from actors.materialize_job import materialize_command  # noqa: PLC0415
 
             return materialize_command(args)
         if args.hosts:

@@ -22,8 +22,9 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from ingest import FIELDS, Config, SourceConfig, Stream, build_plan, sources
-from ingest.tokenize import load_tokenizer
+from ingest import FIELDS, Config, SourceConfig, Stream, build_plan
+from ingest.sources import files as sources
+from ingest.tokenize.tokenizer import load_tokenizer
 
 # Ordinary English words, so that the real BPE tokenizers give multi-token documents.
 WORDS = (

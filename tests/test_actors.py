@@ -147,7 +147,7 @@ def test_workers_map_the_first_pages_of_the_object_store_unless_told_not_to(ray_
     def probe(self):
         import os
 
-        from ingest.process import prefault_shared, shared_mapping
+        from ingest.stream.process import prefault_shared, shared_mapping
 
         self._prefault.join(60)
         prefaulted = self.mapped
@@ -201,7 +201,7 @@ def test_pool_workers_follow_the_hosts_cache_settings(ray_cluster, tmp_path, mon
     try:
         got = ray.get([w.__ray_call__.remote(
             lambda self: ({k: __import__("os").environ.get(k) for k in HOST_ENV},
-                          __import__("ingest.spill").spill.budget_bytes()))
+                          __import__("ingest.sources.spill").sources.spill.budget_bytes()))
             for w in pool.workers], timeout=60)
     finally:
         pool.close()

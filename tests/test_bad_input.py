@@ -37,7 +37,7 @@ from ingest import (
     build_plan,
     load_config,
 )
-from ingest.tokenize import docs_of, load_tokenizer
+from ingest.tokenize.tokenizer import docs_of, load_tokenizer
 
 EOS = 50256  # gpt2's <|endoftext|>
 
@@ -570,7 +570,7 @@ def test_tiktoken_encode_docs_joins_documents_and_falls_back(which, tiktoken_fil
     # per document, where it is text.
     assert check([*texts, "before <|endoftext|> after"]) == 1 + len(texts) + 1
     # Groups of at most about _JOIN_CHARS characters, cut at documents.
-    monkeypatch.setattr("ingest.tokenize._JOIN_CHARS", 40)
+    monkeypatch.setattr("ingest.tokenize.tokenizer._JOIN_CHARS", 40)
     n = check(texts)
     sep = "<|endoftext|>"
     text_sizes = [len(c) - len(sep) * c.count(sep) for c in calls]

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ingest.chunk_format import FIELDS, fields_of
-from ingest.pack import concat_rows
-from ingest.shift import shift_rows
+from ingest.stream.chunk_format import FIELDS, fields_of
+from ingest.stream.pack import concat_rows
+from ingest.stream.shift import shift_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
@@ -627,9 +627,9 @@ def test_the_produce_split_counts_a_tokenizer_call_inside_another_once(tmp_path)
     from helpers import make_texts
 
     from ingest import Config, SourceConfig
-    from ingest.plan import build_plan
-    from ingest.stream import Stream
-    from ingest.tokenize import load_tokenizer
+    from ingest.plan.build import build_plan
+    from ingest.stream.kinds import Stream
+    from ingest.tokenize.tokenizer import load_tokenizer
 
     texts = [t + ("\ncafé\n" if i % 3 == 0 else "") + t for i, t in
              enumerate(make_texts(400, seed=9, max_words=200))]

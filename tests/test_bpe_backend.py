@@ -17,8 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import make_texts
 
-from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig, bpe_toktok
-from ingest.bpe_backend import (
+from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig
+from ingest.errors import ConfigError
+from ingest.tokenize import bpe_toktok
+from ingest.tokenize.bpe_backend import (
     FASTEST_FIRST,
     PROVEN,
     REGISTRY,
@@ -28,10 +30,9 @@ from ingest.bpe_backend import (
     checked,
     self_check,
 )
-from ingest.bpe_riptoken import LONG_PIECE_BYTES, long_piece_possible
-from ingest.bpe_toktok import _AsciiToktok, ascii_runs
-from ingest.errors import ConfigError
-from ingest.tokenize import TiktokenTokenizer, load_tokenizer
+from ingest.tokenize.bpe_riptoken import LONG_PIECE_BYTES, long_piece_possible
+from ingest.tokenize.bpe_toktok import _AsciiToktok, ascii_runs
+from ingest.tokenize.tokenizer import TiktokenTokenizer, load_tokenizer
 from jax_side import HostFeed, batch_sharding
 
 BUNDLED = ("gpt2", "cl100k")
@@ -191,7 +192,7 @@ def test_tuetoken_gives_tiktoken_ids_on_every_code_point(tmp_path, monkeypatch):
     are all flagged by the guard (so go to tiktoken), and the backend's ids are tiktoken's."""
     import tuetoken
 
-    from ingest.bpe_tuetoken import needs_tiktoken, tokenizer_json
+    from ingest.tokenize.bpe_tuetoken import needs_tiktoken, tokenizer_json
 
     reference = load_tokenizer("gpt2", "tiktoken")
     fast = load_tokenizer("gpt2", "tuetoken")
@@ -211,7 +212,7 @@ def test_tuetoken_gives_tiktoken_ids_on_every_code_point(tmp_path, monkeypatch):
 
 
 def test_tuetoken_is_not_used_past_the_unicode_it_is_proven_on(monkeypatch, request):
-    import ingest.bpe_tuetoken as bpe_tuetoken
+    import ingest.tokenize.bpe_tuetoken as bpe_tuetoken
 
     reference = load_tokenizer("gpt2", "tiktoken")
     monkeypatch.setattr(bpe_tuetoken, "NEWEST_UNICODE", (13, 0))  # older than this Python's
@@ -339,7 +340,7 @@ def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
 
     pose("rs_bpe")
     assert self_check(reference, load_encoder("rs_bpe", "o200k_base")) is not None
-    with caplog.at_level(logging.WARNING, logger="ingest.tokenize"):
+    with caplog.at_level(logging.WARNING, logger="ingest.tokenize.tokenizer"):
         tok = accelerate(reference, "cl100k", "rs_bpe")
     assert tok is reference
     assert any("differ from tiktoken's" in r.getMessage() and "rs_bpe" in r.getMessage()
@@ -352,7 +353,7 @@ def test_a_backend_with_other_ids_is_refused_at_load(monkeypatch, caplog):
 
 def test_the_self_check_runs_once_per_machine_for_a_backend_and_vocabulary(tmp_path,
                                                                             monkeypatch):
-    import ingest.bpe_backend as bpe_backend
+    import ingest.tokenize.bpe_backend as bpe_backend
 
     monkeypatch.setenv("INGEST_CACHE_DIR", str(tmp_path))
     runs = []

@@ -4,7 +4,7 @@ import os
 import unicodedata
 
 from ingest import cache
-from ingest.tokenize import load_tokenizer
+from ingest.tokenize.tokenizer import load_tokenizer
 
 
 def test_a_cached_value_is_reused_until_its_file_changes(tmp_path, monkeypatch):
@@ -67,8 +67,8 @@ def test_a_first_use_logs_each_thing_it_makes_with_its_time_and_folder_and_a_sec
         tmp_path, monkeypatch, caplog, request):
     """A first run on a machine is slower by what it caches; it says what, how long and where,
     and a later run, reading them, says nothing of them."""
-    from ingest import bpe_tuetoken
     from ingest.demo import write_demo_corpus
+    from ingest.tokenize import bpe_tuetoken
 
     root = tmp_path / "cache"
     monkeypatch.setenv("INGEST_CACHE_DIR", str(root))

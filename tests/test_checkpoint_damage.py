@@ -15,7 +15,7 @@ import pytest
 from helpers import drain_feed, make_config, make_texts, write_parquet, write_parquet_corpus
 
 from ingest import SourceConfig, StreamError
-from ingest.stream import StreamState
+from ingest.stream.kinds import StreamState
 from jax_side import HostFeed, batch_sharding, checkpoint
 
 FEED = dict(seq_len=32, global_batch_size=8, num_streams=4, unit_rows=5, chunk_rows=3)

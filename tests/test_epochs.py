@@ -28,8 +28,8 @@ from helpers import (
 )
 
 from ingest import FIELDS, ConfigError, build_plan, step_digest
-from ingest.deal import deal_units
-from ingest.tokenize import load_tokenizer
+from ingest.plan.deal import deal_units
+from ingest.tokenize.tokenizer import load_tokenizer
 from jax_side import HostFeed, batch_sharding
 from jax_side.multihost import EndAgreement
 

@@ -1,5 +1,5 @@
 """The evaluation feed: documents, log-likelihood pairs and rolling windows as sorted, padded
-global batches (ingest.evaluation + jax_side.eval_feed), with the real GPT-2 tokenizer.
+global batches (ingest.evaluation.requests + jax_side.eval_feed), with the real GPT-2 tokenizer.
 
 Every request is scored exactly once (rolling windows give back every token of a text once, as
 lm-eval-harness's windows do), the loss covers continuations only, padding is marked, rows are
@@ -29,10 +29,9 @@ import pytest
 from helpers import WORDS, free_port, make_texts
 
 from ingest import step_digest
-from ingest.chunk_format import FIELDS
 from ingest.errors import ConfigError
-from ingest.eval_plan import plan_batches
-from ingest.evaluation import (
+from ingest.evaluation.batches import plan_batches
+from ingest.evaluation.requests import (
     Document,
     EvalConfig,
     LoglikelihoodPair,
@@ -41,7 +40,8 @@ from ingest.evaluation import (
     sum_by_request,
     tokenize_requests,
 )
-from ingest.tokenize import load_tokenizer
+from ingest.stream.chunk_format import FIELDS
+from ingest.tokenize.tokenizer import load_tokenizer
 from jax_side import batch_sharding
 from jax_side.eval_feed import EvalFeed
 

@@ -13,7 +13,7 @@ import ray
 from actors import faults
 from actors.pool import WorkerPool
 from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig, StreamError, build_plan
-from ingest.stream import Stream
+from ingest.stream.kinds import Stream
 from jax_side import HostFeed, batch_sharding
 from tests.helpers import (
     dying_worker,
@@ -186,8 +186,8 @@ def test_a_document_that_kills_its_workers_is_located_and_skipped_by_config(ray_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ingest.deal import deal_units
-    from ingest.stream import Stream
+    from ingest.plan.deal import deal_units
+    from ingest.stream.kinds import Stream
     from tests.helpers import make_texts
 
     marker = "POISON-7f3a"
@@ -241,8 +241,8 @@ def test_a_killing_document_in_a_mixture_component_is_skipped_and_counted(ray_cl
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ingest.deal import deal_units
-    from ingest.stream import open_stream
+    from ingest.plan.deal import deal_units
+    from ingest.stream.kinds import open_stream
     from tests.helpers import make_texts
 
     marker = "POISON-2c1e"
@@ -299,7 +299,7 @@ def test_a_worker_killed_at_any_phase_of_the_pool_is_replaced_and_rows_do_not_ch
     """A worker SIGKILLed while the pool starts it, opens its streams, makes their first
     chunks, takes them over from the warm start, moves them in a resize, or closes: the run
     goes on (or ends) without an error, and every stream's rows are the unbroken run's."""
-    from jax_side.warm_start import WarmStartSource
+    from actors.warm_start import WarmStartSource
 
     cfg = _config(corpus, num_epochs=1, streams_per_call=2)
     plan = build_plan(cfg)

@@ -27,7 +27,7 @@ from helpers import drain as drain_stream
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ingest import FIELDS, BatchDigest, Config, SourceConfig, Stream, build_plan
-from ingest.chunk_format import RowPieces, batch_groups, fields_of
+from ingest.stream.chunk_format import RowPieces, batch_groups, fields_of
 from jax_side import HostFeed, batch_sharding
 from jax_side.chunk_intake import ChunkIntake
 from jax_side.feed_stats import steady_window_start

@@ -14,11 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ingest import BadInputError, Stream, build_plan, jsonl, paths, sources
-from ingest import plan as plan_module
-from ingest.columns import decode_texts
+from ingest import BadInputError, Stream, build_plan
 from ingest.errors import BAD_REASONS
-from ingest.sources import describe_file, read_texts
+from ingest.plan import build as plan_module
+from ingest.sources import files as sources
+from ingest.sources import jsonl, paths
+from ingest.sources.columns import decode_texts
+from ingest.sources.files import describe_file, read_texts
 from tests.helpers import (
     all_streams,
     drain,
@@ -294,7 +296,7 @@ def test_files_are_planned_in_order_and_the_first_bad_one_in_order_is_named(tmp_
 def test_long_planning_logs_its_progress(tmp_path, monkeypatch, caplog):
     paths = [write_jsonl(tmp_path / f"f{i}.jsonl", make_texts(3, i)) for i in range(5)]
     monkeypatch.setattr(plan_module, "_PROGRESS_EVERY_S", 0.0)  # every file counts as long
-    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+    with caplog.at_level(logging.INFO, logger="ingest.plan.build"):
         build_plan(make_config(paths))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planning:")]
     assert "read the metadata of 1 of 5 files" in lines[0], lines

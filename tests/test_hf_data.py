@@ -15,8 +15,8 @@ import tiktoken.load
 
 from ingest import BadInputError, ConfigError, Stream, build_plan
 from ingest.config import Config, SourceConfig
-from ingest.tokenize import load_tokenizer
-from ingest.vocab_files import read_tiktoken_ranks
+from ingest.tokenize.tokenizer import load_tokenizer
+from ingest.tokenize.vocab_files import read_tiktoken_ranks
 from tests.helpers import (
     all_streams,
     drain,
@@ -289,7 +289,7 @@ def test_source_config_accepts_a_model_folder_tokenizer(llama_style, tmp_path):
 
 @pytest.mark.parametrize("sequential", [False, True])
 def test_a_jsonl_file_that_changed_after_planning_is_named_in_lines(tmp_path, sequential):
-    from ingest import sources
+    from ingest.sources import files as sources
     from tests.helpers import forget_decoded
 
     path = write_jsonl(tmp_path / "a.jsonl", make_texts(10, 1))

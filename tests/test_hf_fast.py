@@ -28,9 +28,9 @@ from helpers import make_texts
 from test_bpe_backend import stdlib_texts
 
 from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig
-from ingest.bpe_backend import FastBPETokenizer, adversarial_texts
-from ingest.bpe_tuetoken import _LLAMA3_PATTERN, _QWEN2_PATTERN, _tokenizer_spec
-from ingest.tokenize import HFTokenizer, bos_id_of, load_tokenizer
+from ingest.tokenize.bpe_backend import FastBPETokenizer, adversarial_texts
+from ingest.tokenize.bpe_tuetoken import _LLAMA3_PATTERN, _QWEN2_PATTERN, _tokenizer_spec
+from ingest.tokenize.tokenizer import HFTokenizer, bos_id_of, load_tokenizer
 from jax_side import HostFeed, batch_sharding
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",

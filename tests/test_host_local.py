@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import free_port, make_config, write_parquet_corpus
 
-from ingest.chunk_format import FIELDS
+from ingest.stream.chunk_format import FIELDS
 from jax_side import HostFeed, batch_sharding
 from jax_side.grain_dataset import FeedDataset
 from jax_side.host_local import HostLocalFeed, fast_forward

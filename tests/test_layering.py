@@ -50,9 +50,20 @@ def forbidden_imports(package: str, forbidden: set[str], *, dynamic: bool = Fals
 
 
 def test_importing_ingest_loads_neither_ray_nor_jax_nor_the_other_layers():
-    code = ("import ingest, ingest.config, ingest.plan, ingest.stream, ingest.tokenize, sys; "
+    code = ("import ingest, ingest.config, ingest.plan.build, ingest.stream.kinds, ingest.tokenize.tokenizer, sys; "
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(NOT_IN_INGEST)}); "
             "assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_importing_the_ray_lifecycle_does_not_import_ray():
+    # actors.ray_cluster sets the environment Ray reads when it is imported (loopback only,
+    # authentication) and imports Ray on a thread of its own; importing it, or the actors
+    # package, must leave Ray unimported.
+    code = ("import actors, actors.ray_cluster, actors.private_api, sys; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -93,7 +104,7 @@ LAYERS = ("ingest", "actors", "jax_side")
 NOT_IN_PRODUCT = {"benchmarks", "tests", "examples", "cluster"}
 # Everything that may use private names of other libraries, one small adapter per layer.
 PRIVATE_API_ADAPTERS = {"jax_side/private_api.py", "actors/private_api.py",
-                        "benchmarks/private_api.py", "ingest/private_api.py"}
+                        "benchmarks/private_api.py", "ingest/tokenize/private_api.py"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -385,7 +396,7 @@ def foreign_private_uses_outside_adapters() -> dict[str, list[str]]:
 
 def test_private_apis_of_other_libraries_are_used_only_through_the_adapters():
     # jax_side.private_api (JAX's coordination client), actors.private_api (Ray's address
-    # lookup, ray.init's underscore arguments), ingest.private_api (tokenizer libraries) and
+    # lookup, ray.init's underscore arguments), ingest.tokenize.private_api (tokenizer libraries) and
     # benchmarks.private_api (a raylet's gRPC channel) hold every such use, each with a
     # public fallback.
     found = foreign_private_uses_outside_adapters()

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ingest.evaluation import EvalConfig, LoglikelihoodPair, tokenize_requests
-from ingest.tokenize import load_tokenizer
+from ingest.evaluation.requests import EvalConfig, LoglikelihoodPair, tokenize_requests
+from ingest.tokenize.tokenizer import load_tokenizer
 
 # lm-eval's model API imports jinja2, requests, pyyaml and tqdm only (the `test` extra; `make
 # test` installs lm-eval itself without its other requirements).
@@ -129,7 +129,7 @@ def test_whitespace_only_prefix_is_refused():
 
 def test_the_eval_rows_carry_the_pair_tokens(tmp_path):
     """The rows the plan builds hold the sequence: inputs, targets and loss columns."""
-    from ingest.eval_plan import plan_batches  # noqa: PLC0415
+    from ingest.evaluation.batches import plan_batches  # noqa: PLC0415
 
     tok = load_tokenizer("gpt2")
     config = EvalConfig(seq_len=SEQ_LEN, padding_multiple=1, global_batch_size=2,

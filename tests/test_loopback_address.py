@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from jax_side.ray_cluster import _is_loopback, _own_address, stays_on_loopback
+from actors.ray_cluster import _is_loopback, _own_address, stays_on_loopback
 
 
 @contextmanager

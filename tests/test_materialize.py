@@ -24,6 +24,7 @@ import yaml
 from helpers import assert_resumes_identically, drain, make_config, write_parquet_corpus
 from test_cli import cli_env, ingest_command
 
+from actors.materialize_job import materialize_corpus
 from ingest import (
     FIELDS,
     BadInputError,
@@ -34,11 +35,10 @@ from ingest import (
     load_config,
     step_digest,
 )
-from ingest.replay import ReplayStream
-from ingest.segments import SegmentWriter, read_manifest, read_segment
-from ingest.stream import open_stream
+from ingest.materialize.replay import ReplayStream
+from ingest.materialize.segments import SegmentWriter, read_manifest, read_segment
+from ingest.stream.kinds import open_stream
 from jax_side import HostFeed, batch_sharding
-from jax_side.materialize import materialize_corpus
 
 DEADLINE_S = 120  # a healthy job here takes seconds; 2 shared CPUs can be slow
 
@@ -156,8 +156,8 @@ class _StopAfter:
 
 
 def test_interrupted_job_continues_to_the_same_rows(config, materialized, tmp_path):
-    from ingest.materialize import materialize
-    from jax_side.local_source import LocalSource
+    from ingest.materialize.writer import materialize
+    from ingest.stream.local_source import LocalSource
 
     plan = build_plan(config)
     out = str(tmp_path / "out")
@@ -304,14 +304,14 @@ def test_cli_checks_materialize_flags():
 
 
 def test_progress_reports_rows_tokens_and_eta_without_a_terminal(config, tmp_path, caplog):
-    import jax_side.materialize as driver
+    import actors.materialize_job as driver
 
-    caplog.set_level("INFO", logger="ingest.materialize")
+    caplog.set_level("INFO", logger="ingest.materialize.writer")
     progress = driver.Progress(config, build_plan(config), bar=False, every_s=0.0)
     s = materialize_corpus(config, str(tmp_path / "out"), backend="local", segment_rows=50,
                            progress=progress)
     progress.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "ingest.materialize"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ingest.materialize.writer"]
     assert lines and lines[-1].startswith("materialize: 100.0% of units")
     assert f"rows {s.rows:,}  tokens {s.tokens:,}" in lines[-1] and "ETA 0 s" in lines[-1]
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import F, assert_resumes_identically, drain, next_row, write_parquet_corpus
 
 from ingest import Config, SourceConfig, build_plan
-from ingest.stream import Stream, open_stream
+from ingest.stream.kinds import Stream, open_stream
 
 SEQ = 32
 

@@ -1,4 +1,4 @@
-"""Property tests for ingest.pack, ingest.shift and ingest.chunk_format, and agreement with grain's packers."""
+"""Property tests for ingest.stream.pack, ingest.stream.shift and ingest.stream.chunk_format, and agreement with grain's packers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from helpers import F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.chunk_format import FIELDS, RowPieces, batch_groups, fields_of, layout_dtype
-from ingest.pack import assign_bins, concat_rows, fill_bins
-from ingest.pack import concat_fields as _concat_fields
-from ingest.shift import shift_rows as _shift_rows
+from ingest.stream.chunk_format import FIELDS, RowPieces, batch_groups, fields_of, layout_dtype
+from ingest.stream.pack import assign_bins, concat_rows, fill_bins
+from ingest.stream.pack import concat_fields as _concat_fields
+from ingest.stream.shift import shift_rows as _shift_rows
 
 EOS = 999
 PROPERTY = settings(max_examples=50, deadline=None)
@@ -23,12 +23,12 @@ documents = st.lists(st.lists(st.integers(1, 500), min_size=0, max_size=30), min
 
 
 def concat_fields(*args, **kw) -> np.ndarray:
-    """``ingest.pack.concat_fields`` as one int32 ``[6, n, L]`` array."""
+    """``ingest.stream.pack.concat_fields`` as one int32 ``[6, n, L]`` array."""
     return fields_of(*_concat_fields(*args, **kw))
 
 
 def shift_rows(*args, **kw) -> np.ndarray:
-    """``ingest.shift.shift_rows`` as one int32 ``[6, n, L]`` array."""
+    """``ingest.stream.shift.shift_rows`` as one int32 ``[6, n, L]`` array."""
     return fields_of(*_shift_rows(*args, **kw))
 
 

@@ -18,8 +18,8 @@ import pyarrow.ipc as ipc
 import pytest
 
 from ingest import BadInputError, build_plan
-from ingest.paths import list_files
-from ingest.sources import describe_file, read_texts
+from ingest.sources.files import describe_file, read_texts
+from ingest.sources.paths import list_files
 from tests.helpers import (
     all_streams,
     forget_decoded,
@@ -184,7 +184,7 @@ def test_symlink_loops_in_a_folder_read_each_file_once_and_are_named(tmp_path, c
     os.symlink("sub", data / "also_sub")               # a second path to a folder
     os.symlink("a.parquet", data / "z_alias.parquet")  # a second path to a file
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="ingest.paths"):
+    with caplog.at_level(logging.WARNING, logger="ingest.sources.paths"):
         found = list_files((str(data),))
         globbed = list_files((str(data / "**" / "*.parquet"),))
     assert time.monotonic() - t0 < 10

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from ingest.deal import deal_units, permutation, philox
-from ingest.plan import Unit, UnitPlan, Units, _cut_units
-from ingest.sources import FileInfo
+from ingest.plan.build import Unit, UnitPlan, Units, _cut_units
+from ingest.plan.deal import deal_units, permutation, philox
+from ingest.sources.files import FileInfo
 
 
 def _info(rows, group_bytes) -> FileInfo:

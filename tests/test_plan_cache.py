@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.errors import BadInputError
-from ingest.plan import build_plan
-from ingest.sources import describe_file
+from ingest.plan.build import build_plan
+from ingest.sources.files import describe_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: not installed
 from benchmarks.corpus_plan import SlowFileSystem, register  # noqa: E402
@@ -109,7 +109,7 @@ def test_a_store_without_modification_times_is_not_cached(tmp_path, store, monke
     for i in range(3):
         _parquet(data / f"part-{i}.parquet", [f"aaaa bbbb {i}"])
     root = f"slowfs://{tmp_path}/data"
-    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+    with caplog.at_level(logging.INFO, logger="ingest.plan.build"):
         first = build_plan(make_config([root]))
     assert "neither a modification time nor an ETag" in caplog.text
     reads = store.requests["read"]
@@ -171,7 +171,7 @@ def test_parallel_descriptions_keep_the_plan_in_path_order(tmp_path):
 
 def test_the_remote_timeout_bounds_the_first_answer_not_a_long_listing(tmp_path, store,
                                                                       monkeypatch):
-    from ingest import paths
+    from ingest.sources import paths
 
     for i in range(8):
         _parquet(tmp_path / "data" / "sub" / f"part-{i}.parquet", [f"document {i}"])
@@ -188,7 +188,7 @@ def test_the_remote_timeout_bounds_the_first_answer_not_a_long_listing(tmp_path,
 @pytest.mark.parametrize("folders_at_once", [16, 2])
 def test_a_listing_by_folders_finds_what_a_flat_one_does(tmp_path, store, monkeypatch,
                                                          folders_at_once):
-    from ingest import paths
+    from ingest.sources import paths
 
     monkeypatch.setattr(paths, "_LIST_FOLDERS", folders_at_once)  # 2: a flat listing
     for i in range(9):

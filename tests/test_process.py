@@ -1,4 +1,4 @@
-"""A producer process's setup (ingest.process): one Arrow thread, glibc's malloc keeping a
+"""A producer process's setup (ingest.stream.process): one Arrow thread, glibc's malloc keeping a
 call's freed chunks for the next call instead of faulting them in again, a CPU of its own, and
 the first pages of a shared memory file (Ray's object store) mapped in ahead of use.
 
@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 applied = {}
 if sys.argv[1] == "producer":
-    from ingest.process import one_cpu_producer
+    from ingest.stream.process import one_cpu_producer
     applied = one_cpu_producer()
 def call():
     chunks = [np.empty((6, 128, 1024), np.int32) for _ in range(8)]
@@ -61,7 +61,7 @@ def test_producer_keeps_freed_chunks_instead_of_faulting_them_in_again():
 
 CLAIM = """
 import os, sys
-from ingest.process import claim_cpu
+from ingest.stream.process import claim_cpu
 cpu = claim_cpu(sys.argv[1])
 print(cpu, sorted(os.sched_getaffinity(0)), flush=True)
 sys.stdin.readline()  # holds the claim until told to exit
@@ -118,7 +118,7 @@ def test_prefault_shared_maps_the_first_pages_of_a_memory_file_and_keeps_its_con
     import os
     import tempfile
 
-    from ingest.process import _fs_type, prefault_shared, shared_mapping
+    from ingest.stream.process import _fs_type, prefault_shared, shared_mapping
 
     if _fs_type("/dev/shm") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm")

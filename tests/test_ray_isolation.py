@@ -298,7 +298,7 @@ def test_joining_a_cluster_that_is_gone_fails_fast_naming_the_address(job, ray_t
 def without_loopback_switch(env: dict[str, str]) -> dict[str, str]:
     """``env`` without Ray's loopback switch: Ray then connects to a loopback address through
     the machine's own address, as it does by default."""
-    from jax_side.ray_cluster import LOOPBACK_SWITCH
+    from actors.ray_cluster import LOOPBACK_SWITCH
 
     return {k: v for k, v in env.items() if k != LOOPBACK_SWITCH}
 
@@ -306,7 +306,7 @@ def without_loopback_switch(env: dict[str, str]) -> dict[str, str]:
 def own_address_or_skip() -> str:
     """The address Ray gives this machine's node when it may use every interface; skips where
     that is loopback (no route off the machine: Ray stays on 127.0.0.1 anyway)."""
-    from jax_side.ray_cluster import _is_loopback, _own_address
+    from actors.ray_cluster import _is_loopback, _own_address
 
     own = _own_address()
     if own is None or _is_loopback(own):
@@ -337,7 +337,7 @@ def test_a_loopback_only_head_given_by_its_loopback_address_is_joined(job, ray_t
 _START_AFTER_IMPORT = """
 import sys
 import ray  # imported before ingest could keep Ray on 127.0.0.1
-from jax_side.ray_cluster import ClusterUnreachableError, start_ray
+from actors.ray_cluster import ClusterUnreachableError, start_ray
 try:
     start_ray(sys.argv[1])
 except ClusterUnreachableError as e:
@@ -510,7 +510,7 @@ def test_a_signal_at_any_point_exits_with_one_line(job, ray_tmp, tmp_path, sig, 
 
 SWALLOWED = r"""
 import os, signal, time
-from jax_side.ray_cluster import Interrupted, exit_on_signals
+from actors.ray_cluster import Interrupted, exit_on_signals
 
 class SignalledWhileCollected:
     def __del__(self):
@@ -551,7 +551,7 @@ def hold():
 
 threading.Thread(target=hold, daemon=True).start()
 held.wait()
-from jax_side.ray_cluster import RayStarter
+from actors.ray_cluster import RayStarter
 starter = RayStarter(None, 1)
 time.sleep(0.5)  # the thread is waiting for the lock now
 t0 = time.monotonic()

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from ingest import paths
-from ingest.paths import list_files
+from ingest.sources import paths
+from ingest.sources.paths import list_files
 
 
 def test_a_refused_connection_is_one_line_naming_the_uri():

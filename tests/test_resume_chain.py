@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
+from actors.materialize_job import materialize_corpus
 from ingest import Config, SourceConfig, build_plan, step_digest
 from jax_side import HostFeed
-from jax_side.materialize import materialize_corpus
 
 # B=16 rows over S=4 streams; the ramp-up gives 4, 8, then 16 rows (k = 1, 2, 4).
 FEED = dict(seq_len=32, global_batch_size=16, num_streams=4, unit_rows=5, chunk_rows=24,

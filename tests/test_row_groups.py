@@ -1,5 +1,5 @@
 """``deal: row_groups``: the units of a row group stay together, and a stream reads them in row
-order, each Parquet group decoded once a pass through a cursor (``ingest.sources``)."""
+order, each Parquet group decoded once a pass through a cursor (``ingest.sources.files``)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ from helpers import (
     write_parquet_corpus,
 )
 
-from ingest import Stream, build_plan, sources
+from ingest import Stream, build_plan
 from ingest.config import ConfigError
-from ingest.deal import deal_units
 from ingest.errors import BadInputError
+from ingest.plan.deal import deal_units
+from ingest.sources import files as sources
 
 EOS = 50256
 
@@ -170,14 +171,14 @@ def test_a_group_that_changed_after_planning_is_an_error(tmp_path, rows):
 
 def test_the_plan_suggests_the_row_group_deal_when_split_groups_exceed_a_workers_cache(
         tmp_path, monkeypatch, caplog):
-    from ingest import plan as plan_module
+    from ingest.plan import build as plan_module
 
     write_parquet_corpus(tmp_path, n_files=2, docs_per_file=40, row_group_size=10, seed=4)
     monkeypatch.setattr(plan_module, "LARGE_GROUP_BYTES", 2000)  # a worker keeps 8,000 bytes
     for deal, unit_rows, hinted in (("units", 3, True), ("units", 10, False),
                                     ("row_groups", 3, False)):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="ingest.plan"):
+        with caplog.at_level(logging.INFO, logger="ingest.plan.build"):
             build_plan(make_config([tmp_path], unit_rows=unit_rows, deal=deal))
         assert any("deal: row_groups decodes each group once" in r.getMessage()
                    for r in caplog.records) == hinted, (deal, unit_rows)

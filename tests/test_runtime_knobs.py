@@ -21,11 +21,10 @@ import pytest
 from helpers import make_texts
 
 from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig
-from ingest.bpe_backend import FASTEST_FIRST
 from ingest.config import load_config, to_dict
 from ingest.demo import demo_config
 from ingest.errors import ConfigError
-from ingest.plan import build_plan
+from ingest.plan.build import build_plan
 from ingest.runtime import (
     AUTO_BUDGET_MB,
     CALL_TOKENS,
@@ -34,8 +33,9 @@ from ingest.runtime import (
     ResolvedRuntime,
     resolve_runtime,
 )
+from ingest.stream.local_source import LocalSource
+from ingest.tokenize.bpe_backend import FASTEST_FIRST
 from jax_side import HostFeed, batch_sharding
-from jax_side.local_source import LocalSource
 
 DEADLINE_S = 120.0
 OLD_DEFAULTS = {"chunk_rows": 16, "streams_per_call": 1, "prefetch": 2}
@@ -323,7 +323,7 @@ def test_config_validation_does_not_import_the_tokenizer_backends():
             reached.add(module)
             todo += graph.get(module, {})
     assert {"ingest.config_checks", "ingest.runtime"} <= reached
-    assert not {m for m in reached if m.startswith(("ingest.bpe_", "ingest.tokenize"))}, reached
+    assert not {m for m in reached if m.startswith(("ingest.bpe_", "ingest.tokenize.tokenizer"))}, reached
     # The names the options accept are the backends' own (checked here, not at import).
     assert TOKENIZER_BACKENDS == ("auto", "tiktoken", *FASTEST_FIRST)
 

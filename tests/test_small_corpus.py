@@ -12,7 +12,7 @@ import pytest
 from helpers import make_config, make_texts, write_parquet, write_parquet_corpus
 
 from ingest import Config, SourceConfig, build_plan
-from ingest.plan import _cut_units
+from ingest.plan.build import _cut_units
 from jax_side import HostFeed, batch_sharding
 
 
@@ -27,7 +27,7 @@ def test_one_small_file_with_default_config_yields_all_its_documents(tmp_path, c
     path = write_parquet(tmp_path / "small.parquet", texts)  # one row group of 40 rows
     config = _default_config(path)
     assert config.num_streams == 8 and config.unit_rows == 256
-    with caplog.at_level(logging.WARNING, logger="ingest.plan"):
+    with caplog.at_level(logging.WARNING, logger="ingest.plan.build"):
         plan = build_plan(config)
     assert len(plan.units) >= config.num_streams
     assert max(plan.units.num_rows) <= 5  # 40 rows over 8 streams

@@ -14,8 +14,8 @@ from helpers import assert_resumes_identically, drain, make_texts, next_row, wri
 
 from ingest import BatchDigest, Config, RuntimeOptions, SourceConfig, build_plan
 from ingest.errors import BadInputError, ConfigError
-from ingest.stream import open_stream
-from ingest.tokenize import load_tokenizer
+from ingest.stream.kinds import open_stream
+from ingest.tokenize.tokenizer import load_tokenizer
 from jax_side import HostFeed, batch_sharding
 
 FIELDS = dict(seq_len=24, global_batch_size=4, num_streams=2, unit_rows=5, seed=11,

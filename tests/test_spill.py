@@ -12,8 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ingest import Stream, build_plan, jsonl, spill
-from ingest.sources import LARGE_GROUP_BYTES, read_texts
+from ingest import Stream, build_plan
+from ingest.sources import jsonl, spill
+from ingest.sources.files import LARGE_GROUP_BYTES, read_texts
 from tests.helpers import (
     WORDS,
     drain,
@@ -55,7 +56,7 @@ def test_a_large_group_is_decoded_once_and_then_read_from_disk(large_file, cache
                                                                  caplog):
     path, texts = large_file
     config = make_config([path], unit_rows=256)
-    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+    with caplog.at_level(logging.INFO, logger="ingest.plan.build"):
         plan = build_plan(config)
     info = plan.files[0]
     assert info.row_groups == (len(texts),) and info.group_bytes[0] > LARGE_GROUP_BYTES
@@ -136,7 +137,7 @@ def test_a_damaged_or_mismatched_copy_is_removed_and_the_group_decoded(cache_dir
     assert spill.spill(("d",), col) is not None
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with caplog.at_level(logging.WARNING, logger="ingest.spill"):
+    with caplog.at_level(logging.WARNING, logger="ingest.sources.spill"):
         assert spill.load_spilled(("d",), 200) is None
     assert not os.path.exists(path)
     assert any("damaged row-group cache file" in r.getMessage() for r in caplog.records)
@@ -152,7 +153,7 @@ def test_an_unwritable_cache_folder_falls_back_to_decoding(large_file, tmp_path,
     try:
         plan = build_plan(make_config([path], unit_rows=256))
         u = plan.units[5]
-        with caplog.at_level(logging.WARNING, logger="ingest.spill"):
+        with caplog.at_level(logging.WARNING, logger="ingest.sources.spill"):
             arr, _ = read_texts(plan.files[0], 0, u.row_start, u.row_end, "text")
         assert arr.to_pylist() == texts[u.row_start:u.row_end]
         assert any("cannot keep decoded row groups" in r.getMessage() and "INGEST_CACHE_DIR"
@@ -170,12 +171,12 @@ def test_a_malformed_budget_is_an_error_at_plan_time(large_file, cache_dir, monk
 
 def test_a_large_group_past_the_budget_is_a_warning(large_file, cache_dir, monkeypatch, caplog):
     monkeypatch.setenv("INGEST_ROW_GROUP_CACHE_GB", "0.001")
-    with caplog.at_level(logging.WARNING, logger="ingest.plan"):
+    with caplog.at_level(logging.WARNING, logger="ingest.plan.build"):
         build_plan(make_config([large_file[0]], unit_rows=256))
     assert any("decoded again for each unit" in r.getMessage() and "row_group_size" in
                r.getMessage() and "deal: row_groups" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ingest.plan"):  # no disk copies to speak of
+    with caplog.at_level(logging.INFO, logger="ingest.plan.build"):  # no disk copies to speak of
         build_plan(make_config([large_file[0]], unit_rows=256, deal="row_groups"))
     assert not any("hold over" in r.getMessage() for r in caplog.records)
 
@@ -186,7 +187,7 @@ def test_a_large_jsonl_group_is_parsed_once_and_then_read_from_disk(cache_dir, t
     monkeypatch.setattr(jsonl, "GROUP_BYTES", 1 << 40)
     texts = _large_texts(1)
     path = write_jsonl(tmp_path / "big.jsonl", texts)
-    with caplog.at_level(logging.INFO, logger="ingest.plan"):
+    with caplog.at_level(logging.INFO, logger="ingest.plan.build"):
         plan = build_plan(make_config([path], unit_rows=256))
     assert any("JSONL" in r.getMessage() and path in r.getMessage() for r in caplog.records)
     info, units = plan.files[0], plan.units

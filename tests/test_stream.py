@@ -29,10 +29,10 @@ from helpers import (
 )
 
 from ingest import Stream, build_plan
-from ingest.chunk_format import RowPieces, batch_groups
-from ingest.deal import deal_units
+from ingest.plan.deal import deal_units
 from ingest.runtime import resolve_runtime
-from ingest.stream_rows import RowBuilder
+from ingest.stream.chunk_format import RowPieces, batch_groups
+from ingest.stream.rows import RowBuilder
 
 EOS = 50256  # gpt2's <|endoftext|>
 PACKINGS = ("concat", "first_fit", "best_fit", "none")
@@ -284,7 +284,7 @@ def test_deal_gives_every_stream_units_and_similar_bytes(tmp_path):
 def test_streams_of_one_plan_share_each_epochs_deal(tmp_path):
     """A process's streams over one plan deal each epoch once, and read what deal_units says;
     another plan object (equal, or of another corpus) gets a deal of its own."""
-    from ingest.unit_reader import _dealt
+    from ingest.stream.unit_reader import _dealt
 
     write_parquet(tmp_path / "a.parquet", make_texts(40, 0), row_group_size=10)
     config = make_config([tmp_path], num_streams=4, global_batch_size=4, unit_rows=3)

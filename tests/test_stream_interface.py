@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from helpers import make_config, write_parquet_corpus
 
+from actors.materialize_job import materialize_corpus
 from ingest import Config, SourceConfig, build_plan
-from ingest.chunk import ChunkStream
-from ingest.mixture import MixedStream
-from ingest.replay import ReplayStream
-from ingest.stream import open_stream
-from ingest.text_stream import Stream
-from jax_side.materialize import materialize_corpus
+from ingest.materialize.replay import ReplayStream
+from ingest.stream.chunk import ChunkStream
+from ingest.stream.kinds import open_stream
+from ingest.stream.mixture import MixedStream
+from ingest.stream.text import Stream
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,12 @@ import jax
 import numpy as np
 import pytest
 
+from actors import warm_start
+from actors.warm_start import HOST_NICE, WarmStartSource
 from ingest import BatchDigest, Config, SourceConfig
-from ingest.plan import build_plan
-from jax_side import HostFeed, batch_sharding, warm_start
-from jax_side.local_source import LocalSource
-from jax_side.warm_start import HOST_NICE, WarmStartSource
+from ingest.plan.build import build_plan
+from ingest.stream.local_source import LocalSource
+from jax_side import HostFeed, batch_sharding
 from tests.helpers import write_parquet_corpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

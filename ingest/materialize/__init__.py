@@ -1,0 +1,1 @@
+"""Materialized corpora: writing streams' rows to segment files (``writer``) and replaying them as a stream (``replay``)."""
