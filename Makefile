@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-floor lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The oldest versions pyproject.toml allows (.ci/floor-constraints.txt), installed together in
+# .venv-floor: the tests of Ray actors, several JAX processes, orbax resume, grain, the formats.
+FLOOR := .venv-floor
+FLOOR_TESTS := deps layering actors multihost checkpoint grain_iter formats sources_api spill \
+	stream feed pack_shift plan plan_cache paths warm_start host_local eval_feed mixture materialize
+
+$(FLOOR)/.installed: pyproject.toml .ci/floor-constraints.txt
+	test -x $(FLOOR)/bin/python || $(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR)/bin/python -m pip install -q -e '.[test,cpu]' -c .ci/floor-constraints.txt
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -m pytest -q $(patsubst %,tests/test_%.py,$(FLOOR_TESTS))
+
 lint: $(STAMP)
 	$(BIN)/ruff check ingest actors jax_side benchmarks tests
 
@@ -31,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/ingest bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(FLOOR) .pytest_cache build *.egg-info

@@ -191,3 +191,48 @@ def test_runtime_dependencies_are_ranges_and_keep_the_installed_jax():
     assert any(_requirement(s) == ("jax", {"cpu"})
                for s in project["optional-dependencies"]["cpu"])
 
+
+
+# The packages tested at their floors together (`make test-floor`): pyproject's floor of each is
+# the version .ci/floor-constraints.txt pins, jax stops at its next untested release, and the
+# versions these tests run on lie inside the ranges.
+FLOOR_CONSTRAINTS = ROOT / ".ci" / "floor-constraints.txt"
+RANGED = ("numpy", "pyarrow", "ray", "jax", "grain", "orbax-checkpoint")
+
+
+def _floor_pins() -> dict[str, str]:
+    pins = {}
+    for line in FLOOR_CONSTRAINTS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"{FLOOR_CONSTRAINTS.name}: {line!r} is not NAME==VERSION"
+            pins[_normalize(name)] = version
+    return pins
+
+
+def test_the_tested_floors_are_pyprojects_floors_and_jax_has_an_upper_bound():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = {_normalize(Requirement(s).name): Requirement(s) for s in project["dependencies"]}
+    pins = _floor_pins()
+    problems = []
+    for name in RANGED:
+        spec = reqs[name].specifier
+        want = Version(pins[name]) if name in pins else None
+        if [Version(s.version) for s in spec if s.operator == ">="] != [want]:
+            problems.append(f"{name}{spec}: its floor is not {pins.get(name)}, the version "
+                            f"{FLOOR_CONSTRAINTS.name} tests")
+        installed = importlib.metadata.version(name)
+        if not spec.contains(installed, prereleases=True):
+            problems.append(f"{name} {installed}, the version these tests run on, is outside "
+                            f"pyproject's {name}{spec}")
+    if not any(s.operator == "<" for s in reqs["jax"].specifier):
+        problems.append("jax has no upper bound: a fresh install could take an untested jax")
+    for extra in ("cpu", "k8s"):
+        (req,) = [Requirement(s) for s in project["optional-dependencies"][extra]]
+        if req.specifier != reqs["jax"].specifier:
+            problems.append(f"the {extra} extra's {req} differs from dependencies' {reqs['jax']}")
+    assert not problems, "\n".join(problems)
