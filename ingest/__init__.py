@@ -1,5 +1,5 @@
-"""ingest: the pure core of the feed (no Ray, no JAX): config, plan, tokenizers, pack, shift,
-streams and their state."""
+"""ingest: the pure core of the feed (no Ray, no JAX): the config and runtime options, then one
+subpackage per stage of the data path: sources, plan, tokenize, stream, materialize, evaluation."""
 
 from ingest.config import Config, SourceConfig, load_config
 from ingest.digest import BatchDigest, step_digest

@@ -1,1 +1,2 @@
-"""Evaluation: requests cut into tokenized sequences (``requests``) and planned into global batches (``batches``)."""
+"""Evaluation: requests cut into tokenized sequences (``requests``) and planned into global batches
+(``batches``)."""

@@ -1,1 +1,2 @@
-"""Materialized corpora: writing streams' rows to segment files (``writer``) and replaying them as a stream (``replay``)."""
+"""Materialized corpora: writing streams' rows to segment files (``writer``) and replaying them as
+a stream (``replay``)."""

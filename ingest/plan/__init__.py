@@ -1,1 +1,2 @@
-"""The plan: the corpus cut into units (``build``), and the deal of units to streams each epoch (``deal``)."""
+"""The plan: the corpus cut into units (``build``), and the deal of units to streams each epoch
+(``deal``)."""

@@ -1,1 +1,2 @@
-"""Tokenizers: loading one by name or file (``tokenizer``), vocabulary files, and the exact faster BPE backends."""
+"""Tokenizers: loading one by name or file (``tokenizer``), vocabulary files, and the exact faster
+BPE backends."""
