@@ -20,10 +20,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # The oldest versions pyproject.toml allows (.ci/floor-constraints.txt), installed together in
-# .venv-floor: the tests of Ray actors, several JAX processes, orbax resume, grain, the formats.
+# .venv-floor: the tests of Ray actors, several JAX processes, orbax resume, grain, the formats,
+# HF tokenizers.
 FLOOR := .venv-floor
 FLOOR_TESTS := deps layering actors multihost checkpoint grain_iter formats sources_api spill \
-	stream feed pack_shift plan plan_cache paths warm_start host_local eval_feed mixture materialize
+	stream feed pack_shift plan plan_cache paths warm_start host_local eval_feed mixture materialize \
+	hf_fast hf_data
 
 $(FLOOR)/.installed: pyproject.toml .ci/floor-constraints.txt
 	test -x $(FLOOR)/bin/python || $(PYTHON) -m venv $(FLOOR)

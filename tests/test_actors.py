@@ -50,8 +50,8 @@ def test_worker_reports_a_stream_that_is_not_open_as_a_value(ray_cluster, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(tuple(int(x) for x in ray.__version__.split(".")[:2]) < (2, 60),
-                    reason="the feed's metrics reach Ray's Prometheus endpoint from Ray 2.60 "
-                           "(none appear at the floor, Ray 2.40); feed.stats() has them on any Ray")
+                    reason="the feed's metrics reach Ray's Prometheus endpoint from Ray 2.60 (at the "
+                           "floor, Ray 2.40, the host's do not); feed.stats() has them on any Ray")
 def test_feed_metrics_reach_rays_prometheus_endpoint_and_stats(ray_cluster, tmp_path):
     import threading
     import time

@@ -193,46 +193,61 @@ def test_runtime_dependencies_are_ranges_and_keep_the_installed_jax():
 
 
 
-# The packages tested at their floors together (`make test-floor`): pyproject's floor of each is
-# the version .ci/floor-constraints.txt pins, jax stops at its next untested release, and the
-# versions these tests run on lie inside the ranges.
-FLOOR_CONSTRAINTS = ROOT / ".ci" / "floor-constraints.txt"
-RANGED = ("numpy", "pyarrow", "ray", "jax", "grain", "orbax-checkpoint")
+# The packages `make test-floor` installs at their floors (.ci/floor-constraints.txt).
+FLOORED = ("numpy", "pyarrow", "ray", "jax", "grain", "orbax-checkpoint", "tokenizers")
 
 
-def _floor_pins() -> dict[str, str]:
+def _constraints() -> dict[str, str]:
+    """{normalized name: pinned version} of .ci/floor-constraints.txt."""
     pins = {}
-    for line in FLOOR_CONSTRAINTS.read_text().splitlines():
+    for line in (ROOT / ".ci" / "floor-constraints.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
         if line:
             name, _, version = line.partition("==")
-            assert version, f"{FLOOR_CONSTRAINTS.name}: {line!r} is not NAME==VERSION"
-            pins[_normalize(name)] = version
+            assert version, f"floor-constraints.txt: {line!r} is not NAME==VERSION"
+            pins[_normalize(name)] = version.strip()
     return pins
 
 
-def test_the_tested_floors_are_pyprojects_floors_and_jax_has_an_upper_bound():
+def test_floors_equal_the_pins_of_the_floor_environment_and_jax_stops_before_its_next_release():
+    """pyproject's floors are what `make test-floor` installs, so a floor cannot move without
+    being tested; jax has an upper bound at its first untested release in every group."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = {_normalize(Requirement(s).name): Requirement(s) for s in project["dependencies"]}
-    pins = _floor_pins()
+    groups = {"dependencies": project["dependencies"], **project["optional-dependencies"]}
+    pins = _constraints()
     problems = []
-    for name in RANGED:
-        spec = reqs[name].specifier
-        want = Version(pins[name]) if name in pins else None
-        if [Version(s.version) for s in spec if s.operator == ">="] != [want]:
-            problems.append(f"{name}{spec}: its floor is not {pins.get(name)}, the version "
-                            f"{FLOOR_CONSTRAINTS.name} tests")
-        installed = importlib.metadata.version(name)
-        if not spec.contains(installed, prereleases=True):
-            problems.append(f"{name} {installed}, the version these tests run on, is outside "
-                            f"pyproject's {name}{spec}")
-    if not any(s.operator == "<" for s in reqs["jax"].specifier):
+    deps = {_normalize(Requirement(s).name): Requirement(s) for s in project["dependencies"]}
+    for name in FLOORED:
+        floors = [s.version for s in deps[name].specifier if s.operator == ">="]
+        if name not in pins:
+            problems.append(f"{name} has no pin in .ci/floor-constraints.txt")
+        elif len(floors) != 1 or Version(floors[0]) != Version(pins[name]):
+            problems.append(f"pyproject's {deps[name]} has not the floor {pins[name]} that "
+                            f".ci/floor-constraints.txt tests: make them equal")
+    if pins.get("jaxlib") != pins.get("jax"):
+        problems.append(f"floor-constraints.txt pins jaxlib {pins.get('jaxlib')} beside jax "
+                        f"{pins.get('jax')}: pin both to the same release")
+    # Every other mention of a floored package (ray[data], jax[cpu], jax[k8s]) has its range;
+    # the bench extra may only ask for more (its peers need newer releases).
+    for group, specs in groups.items():
+        for s in specs:
+            req = Requirement(s)
+            name = _normalize(req.name)
+            if name not in FLOORED or group == "dependencies":
+                continue
+            if group == "bench":
+                floor = [x.version for x in req.specifier if x.operator == ">="]
+                if not floor or Version(floor[0]) < Version(pins.get(name, "0")):
+                    problems.append(f"bench's {s} is below the floor {pins.get(name)}")
+            elif req.specifier != deps[name].specifier:
+                problems.append(f"{group}'s {s} differs from dependencies' {deps[name]}")
+    uppers = [Version(s.version) for s in deps["jax"].specifier if s.operator == "<"]
+    installed = Version(importlib.metadata.version("jax"))
+    if not uppers:
         problems.append("jax has no upper bound: a fresh install could take an untested jax")
-    for extra in ("cpu", "k8s"):
-        (req,) = [Requirement(s) for s in project["optional-dependencies"][extra]]
-        if req.specifier != reqs["jax"].specifier:
-            problems.append(f"the {extra} extra's {req} differs from dependencies' {reqs['jax']}")
+    elif installed not in deps["jax"].specifier:
+        problems.append(f"jax {installed}, the one these tests run on, is outside {deps['jax']}")
     assert not problems, "\n".join(problems)
