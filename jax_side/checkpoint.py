@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ingest.dirlock import exclusive
+from ingest.stream.state_check import describe, short
 from jax_side.host_state import check_compatible, validate_state
 
 __all__ = [
@@ -107,7 +108,7 @@ class FeedCheckpointHandler(ocp.CheckpointHandler):
         if not isinstance(state, dict) or "streams" not in state or "step" not in state:
             raise ValueError(f"FeedSave expects a HostFeed state (a dict with 'step' and "
                              f"'streams', from HostFeed.get_state()), got "
-                             f"{_describe(state)}")
+                             f"{describe(state)}")
         if CHECKSUM_KEY in state:
             raise ValueError(f"the feed state has a key {CHECKSUM_KEY!r}, which the process "
                              f"file keeps for its checksum; pass HostFeed.get_state() unchanged")
@@ -198,7 +199,7 @@ def _read_process_files(directory: epath.Path) -> dict[str, dict[str, Any]]:
         if missing_keys or not isinstance(state["streams"], dict):
             raise FeedCheckpointError(
                 f"{path} is not a HostFeed state: expected a JSON object with keys "
-                f"{[*_SHARED_KEYS, 'streams']}, got {_describe(state)}; the file is corrupt or "
+                f"{[*_SHARED_KEYS, 'streams']}, got {describe(state)}; the file is corrupt or "
                 f"was written by something else", path=str(path))
         state = _verify_checksum(path, state)
         bad_streams = [sid for sid, entry in state["streams"].items() if not _is_stream_entry(
@@ -237,7 +238,7 @@ def _verify_checksum(path: epath.Path, state: dict[str, Any]) -> dict[str, Any]:
         actual = None
     if saved != actual:
         raise FeedCheckpointError(
-            f"{path} fails its checksum ({CHECKSUM_KEY} {_short(saved, 80)} saved, "
+            f"{path} fails its checksum ({CHECKSUM_KEY} {short(saved, 80)} saved, "
             f"{actual} computed): the file was edited or corrupted after it was saved; "
             f"restore another step", path=str(path))
     return state
@@ -265,7 +266,7 @@ def _merge_process_states(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if state.get(k) != merged.get(k):
                 raise FeedCheckpointError(
                     f"the process files of one step disagree on {k!r}: {first_path} has "
-                    f"{_short(merged.get(k))}, {path} has {_short(state.get(k))}; every host "
+                    f"{short(merged.get(k))}, {path} has {short(state.get(k))}; every host "
                     f"must save the same step of the same run. Restore another step", path=path)
         for sid, entry in state["streams"].items():
             if sid in merged["streams"] and merged["streams"][sid] != entry:
@@ -276,17 +277,6 @@ def _merge_process_states(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             owner.setdefault(sid, path)
     merged["streams"] = dict(sorted(merged["streams"].items(), key=lambda kv: int(kv[0])))
     return merged
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, dict):
-        return f"a dict with keys {sorted(map(str, x))}"
-    return f"a {type(x).__name__}"
-
-
-def _short(x: Any, limit: int = 200) -> str:
-    s = repr(x)
-    return s if len(s) <= limit else s[:limit] + "..."
 
 
 @ocp.args.register_with_handler(FeedCheckpointHandler, for_save=True)
